@@ -1,0 +1,144 @@
+"""Parse and print speed of hlo_tools against XLA's own C++ parser and printer.
+
+Builds a real module of more than 10,000 lines: the data-parallel training step
+(shard_map over 8 CPU devices, optax adam) of a Flax model with many residual
+MLP blocks, unrolled.  For its HLO before XLA's optimizations (with debug info)
+and after them, times, as the median of several runs:
+
+  * hlo_tools: ``parse_module``, ``to_text()`` and ``to_text(regenerate=True)``;
+  * XLA (through ``hlo_tools.xla_bridge``): ``hlo_module_from_text`` and ``to_string()``;
+
+and prints a markdown table with the ratios ours / XLA.
+
+Needs the test extra (Flax, optax): ``pip install -e '.[test]'``.
+Run from the repository root: ``.venv/bin/python benchmarks/parse_print.py``.
+"""
+
+import os
+
+# XLA reads XLA_FLAGS once, when its CPU backend starts: set it before importing jax.
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]).strip()
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import argparse  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import hlo_tools  # noqa: E402
+from hlo_tools import xla_bridge  # noqa: E402
+
+MIN_LINES = 10_000
+
+
+class ResidualBlock(nn.Module):
+    """LayerNorm, a two-layer GELU MLP, and a residual connection."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(4 * x.shape[-1])(nn.LayerNorm()(x))
+        return x + nn.Dense(x.shape[-1])(nn.gelu(h))
+
+
+class DeepMLP(nn.Module):
+    """``layers`` residual blocks (a Python loop, so unrolled in HLO) and a classifier."""
+
+    layers: int
+
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(self.layers):
+            x = ResidualBlock()(x)
+        return nn.Dense(10)(x)
+
+
+def training_step_hlo(layers: int) -> dict[str, str]:
+    """HLO text of the model's data-parallel adam step, before and after XLA's optimizations."""
+    model = DeepMLP(layers)
+    optimizer = optax.adam(1e-3)
+    mesh = jax.make_mesh((8,), ("data",))
+
+    def step(params, opt_state, x, labels):
+        def loss_fn(p):
+            return optax.softmax_cross_entropy_with_integer_labels(model.apply(p, x), labels).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = optimizer.update(jax.lax.pmean(grads, "data"), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, "data")
+
+    def arg(shape, dtype, spec):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+    def replicated(leaf):
+        return arg(leaf.shape, leaf.dtype, P())
+
+    params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 32)))
+    opt_state = jax.eval_shape(optimizer.init, params)
+    train = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("data"), P("data")),
+                                  out_specs=(P(), P(), P())))
+    lowered = train.lower(jax.tree.map(replicated, params), jax.tree.map(replicated, opt_state),
+                          arg((64, 32), jnp.float32, P("data")), arg((64,), jnp.int32, P("data")))
+    return {"before optimizations": lowered.as_text(dialect="hlo", debug_info=True),
+            "after optimizations": lowered.compile().as_text()}
+
+
+def median_seconds(fn, reps: int) -> float:
+    """Median wall time of ``reps`` calls of ``fn``."""
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def benchmark(label: str, text: str, reps: int) -> list[str]:
+    """Markdown table rows for one module."""
+    module = hlo_tools.parse_module(text)
+    hlo_tools.verify(module)
+    if module.to_text() != text:
+        raise SystemExit(f"{label}: hlo_tools does not print the module back byte for byte")
+    xla_module = xla_bridge.xla_parse(text)
+    rows = [
+        ("parse", lambda: hlo_tools.parse_module(text), lambda: xla_bridge.xla_parse(text)),
+        ("print", module.to_text, lambda: xla_bridge.xla_print(xla_module)),
+        ("print, regenerate=True", lambda: module.to_text(regenerate=True),
+         lambda: xla_bridge.xla_print(xla_module)),
+    ]
+    lines = len(text.splitlines())
+    out = []
+    for operation, ours, xla in rows:
+        ours_s, xla_s = median_seconds(ours, reps), median_seconds(xla, reps)
+        out.append(f"| {label} | {lines} | {operation} | {ours_s * 1e3:.2f} | {xla_s * 1e3:.2f} "
+                   f"| {ours_s / xla_s:.3g}x |")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=24, help="residual blocks in the model")
+    parser.add_argument("--reps", type=int, default=7, help="timed repetitions per operation")
+    args = parser.parse_args()
+
+    texts = training_step_hlo(args.layers)
+    short = [label for label, text in texts.items() if len(text.splitlines()) < MIN_LINES]
+    if short:
+        raise SystemExit(f"modules under {MIN_LINES} lines ({', '.join(short)}): raise --layers")
+
+    print(f"jax {jax.__version__}, Python {platform.python_version()}, {platform.machine()}, "
+          f"{args.layers} blocks, median of {args.reps} runs\n")
+    print("| module | lines | operation | hlo_tools (ms) | XLA (ms) | ours / XLA |")
+    print("| --- | ---: | --- | ---: | ---: | ---: |")
+    for label, text in texts.items():
+        print("\n".join(benchmark(label, text, args.reps)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,7 @@
+"""``python -m hlo_tools``: the ``hlo-tools`` command line."""
+
+import sys
+
+from hlo_tools.cli import main
+
+sys.exit(main())

@@ -1,0 +1,172 @@
+"""The ``hlo-tools`` command line.
+
+Each subcommand lives in a command module listed in ``COMMAND_MODULES``; a
+module exposes ``register(subparsers)``, which adds its subparser and sets the
+``func(args) -> int`` default.  Adding a command is one line in that tuple.
+
+Every failure is reported as a single line on stderr,
+``hlo-tools: error: <file>:<line>:<col>: <message>``, with exit status 1
+(argparse's usage errors keep their status 2); no traceback is ever shown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import tempfile
+
+import hlo_tools
+
+PROG = "hlo-tools"
+
+COMMAND_MODULES = (
+    "hlo_tools.inspect_commands",
+    "hlo_tools.run_command",
+)
+
+
+class CommandError(Exception):
+    """A failure to report as one line, optionally located in a file."""
+
+    def __init__(self, message: str, path: str | None = None,
+                 line: int | None = None, column: int | None = None):
+        super().__init__(message)
+        self.message = message
+        self.path = path
+        self.line = line
+        self.column = column
+
+    def __str__(self) -> str:
+        location = ":".join(str(part) for part in (self.path, self.line, self.column) if part is not None)
+        return f"{location}: {self.message}" if location else self.message
+
+
+def _one_line(message: str) -> str:
+    """The first non-blank line of ``message`` (error output is one line per failure)."""
+    for line in message.splitlines():
+        if line.strip():
+            return line.strip()
+    return ""
+
+
+def _display_name(path: str) -> str:
+    return "<stdin>" if path == "-" else path
+
+
+def read_text(path: str) -> str:
+    """The exact text of ``path`` (``-`` is stdin); line endings are kept as they are."""
+    try:
+        if path == "-":
+            return sys.stdin.buffer.read().decode("utf-8")
+        with open(path, encoding="utf-8", newline="") as f:
+            return f.read()
+    except UnicodeDecodeError as exc:
+        raise CommandError(f"not UTF-8 text ({exc.reason} at byte {exc.start})",
+                           _display_name(path)) from exc
+
+
+def located(exc: hlo_tools.HloParseError | hlo_tools.HloVerifyError,
+            path: str | None) -> CommandError:
+    """The one-line report of a parse or verify error found in the file ``path``."""
+    if isinstance(exc, hlo_tools.HloParseError):
+        return CommandError(_one_line(exc.message), path, exc.line, exc.column)
+    who = f"{exc.instruction}: " if exc.instruction else ""
+    return CommandError(_one_line(who + exc.message), path, exc.line)
+
+
+def load_module(path: str) -> hlo_tools.HloModule:
+    """Read and parse the module in ``path``; parse errors carry the file's name."""
+    text = read_text(path)
+    try:
+        return hlo_tools.parse_module(text)
+    except hlo_tools.HloParseError as exc:
+        raise located(exc, _display_name(path)) from exc
+
+
+def verify_module(module: hlo_tools.HloModule, path: str) -> None:
+    """Run the verifier; its errors carry the file's name and, when known, the line."""
+    try:
+        hlo_tools.verify(module)
+    except hlo_tools.HloVerifyError as exc:
+        raise located(exc, _display_name(path)) from exc
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether two paths name one file (same path, or links to the same inode)."""
+    if os.path.abspath(a) == os.path.abspath(b):
+        return True
+    return os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)
+
+
+def _output_mode(out_path: str) -> int:
+    """Permissions for ``out_path``: those of the file it replaces, else the umask's default."""
+    try:
+        return os.stat(out_path).st_mode & 0o7777
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
+def write_output(text: str, out_path: str | None, input_path: str) -> None:
+    """Write ``text`` to stdout, or atomically to ``out_path`` (temp file + rename).
+
+    Refuses to overwrite the input file, so a failed run never loses the source.
+    """
+    if out_path is None or out_path == "-":
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return
+    if input_path != "-" and _same_file(out_path, input_path):
+        raise CommandError("refusing to overwrite the input file", out_path)
+    directory = os.path.dirname(os.path.abspath(out_path))
+    fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=".hlo-tools-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+        os.chmod(tmp_path, _output_mode(out_path))
+        os.replace(tmp_path, out_path)
+    except BaseException:
+        os.unlink(tmp_path)
+        raise
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with every command module's subcommand registered."""
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Inspect and transform XLA HLO modules.")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module_name in COMMAND_MODULES:
+        importlib.import_module(module_name).register(subparsers)
+    return parser
+
+
+def _error(message: str) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``hlo-tools`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    try:
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except CommandError as exc:
+        return _error(str(exc))
+    except (hlo_tools.HloParseError, hlo_tools.HloVerifyError) as exc:
+        return _error(str(located(exc, None)))
+    except BrokenPipeError:
+        # Whoever read stdout stopped (`hlo-tools print x | head`): end quietly, as Unix tools do.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 1
+    except OSError as exc:
+        where = f"{exc.filename}: " if exc.filename else ""
+        return _error(f"{where}{exc.strerror or _one_line(str(exc))}")
+    except KeyboardInterrupt:
+        return _error("interrupted")
+    except Exception as exc:  # the last resort: still one line, never a traceback
+        return _error(f"internal error: {type(exc).__name__}: {_one_line(str(exc))}")

@@ -1,0 +1,575 @@
+"""The HLO IR: modules, computations and instructions, with an editing API that keeps use-def
+lists consistent and a printer that reproduces unmodified source text byte for byte.
+
+Reading:  `module.entry.root`, `comp.instructions`, `instr.operands`, `instr.users`, `instr.attrs`.
+Editing:  `comp.add_instruction(...)`, `instr.replace_all_uses_with(other)`, `instr.set_operand(i, x)`,
+          `instr.attrs[name] = value`, `comp.remove_instruction(instr)`, `comp.remove_dead_code()`,
+          `module.clone_computation(comp)`. Every edit marks what it touched; printing regenerates
+          exactly those parts in XLA's style and copies everything else from the source text.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+from .shape import Shape
+
+# Attributes whose values name computations of the module.
+COMPUTATION_ATTRS = frozenset({
+    "to_apply", "calls", "condition", "body", "branch_computations", "true_computation",
+    "false_computation", "select", "scatter", "called_computations",
+})
+
+
+class _AttrDict(dict):
+    """An instruction's attributes: every write marks the instruction modified."""
+
+    __slots__ = ("_instr",)
+
+    def __init__(self, instr, items=()):
+        super().__init__(items)
+        self._instr = instr
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self._instr._touch()
+
+    def __delitem__(self, key):
+        super().__delitem__(key)
+        self._instr._touch()
+
+    def pop(self, key, *default):
+        had = key in self
+        value = super().pop(key, *default)
+        if had:
+            self._instr._touch()
+        return value
+
+    def update(self, *args, **kwargs):
+        super().update(*args, **kwargs)
+        self._instr._touch()
+
+    def setdefault(self, key, default=None):
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+
+class HloInstruction:
+    """One HLO instruction. Create through `HloComputation.add_instruction`."""
+
+    __slots__ = ("name", "opcode", "shape", "_operands", "users", "attrs", "parent",
+                 "parameter_number", "literal", "line", "_span", "_name_start", "_owner", "_root_text")
+
+    def __init__(self, name: str, opcode: str, shape: Shape, operands=(), attrs=None,
+                 parameter_number: int | None = None, literal=None):
+        self.name = name
+        self.opcode = opcode
+        self.shape = shape
+        self._operands = list(operands)
+        self.users: list[HloInstruction] = []
+        self.attrs = _AttrDict(self, attrs or {})
+        self.parent: HloComputation | None = None
+        self.parameter_number = parameter_number
+        self.literal = literal
+        self.line: int | None = None  # 1-based source line, for error messages
+        self._span = None             # (start, end) of the source text while unmodified
+        self._name_start = None       # where the name starts inside the span (after `ROOT`)
+        self._owner = None            # the instruction whose source text holds this nested one
+        self._root_text = None
+
+    # -- reading ----------------------------------------------------------------------------------
+    @property
+    def operands(self) -> tuple["HloInstruction", ...]:
+        return tuple(self._operands)
+
+    def operand(self, i: int) -> "HloInstruction":
+        return self._operands[i]
+
+    @property
+    def operand_count(self) -> int:
+        return len(self._operands)
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is not None and self.parent.root is self
+
+    @property
+    def called_computations(self) -> list["HloComputation"]:
+        """Computations this instruction calls, in attribute order."""
+        out = []
+        for key, value in self.attrs.items():
+            if key in COMPUTATION_ATTRS:
+                out.extend(value if isinstance(value, tuple) else (value,))
+        return out
+
+    @property
+    def control_predecessors(self) -> tuple["HloInstruction", ...]:
+        return self.attrs.get("control-predecessors", ())
+
+    def __repr__(self):
+        return f"<HloInstruction {self.name} = {self.shape} {self.opcode}>"
+
+    # -- editing ----------------------------------------------------------------------------------
+    def _touch(self):
+        """Mark this instruction's text stale so the printer regenerates it."""
+        if self._span is not None:
+            self._span = None
+        owner = self._owner
+        if owner is not None:
+            self._owner = None
+            owner._touch()
+        if self.parent is not None:
+            self.parent._dirty = True
+
+    def set_shape(self, shape: Shape):
+        self.shape = shape
+        self._touch()
+        if self.opcode == "parameter" and self.parent is not None:
+            self.parent._signature_changed()
+
+    def set_operand(self, index: int, new: "HloInstruction"):
+        old = self._operands[index]
+        if old is new:
+            return
+        self._operands[index] = new
+        if all(o is not old for o in self._operands) and self in old.users:
+            old.users.remove(self)
+        if self not in new.users:
+            new.users.append(self)
+        self._touch()
+
+    def set_operands(self, operands: Iterable["HloInstruction"]):
+        for old in self._operands:
+            if self in old.users:
+                old.users.remove(self)
+        self._operands = list(operands)
+        for new in self._operands:
+            if self not in new.users:
+                new.users.append(self)
+        self._touch()
+
+    def replace_operand_with(self, old: "HloInstruction", new: "HloInstruction"):
+        """Replace every occurrence of `old` among this instruction's operands by `new`."""
+        for i, op in enumerate(self._operands):
+            if op is old:
+                self.set_operand(i, new)
+
+    def replace_all_uses_with(self, new: "HloInstruction", *, include_root: bool = True):
+        """Make every user of this instruction use `new` instead (and `new` the root if this was)."""
+        if new is self:
+            return
+        for user in list(self.users):
+            if user is new:
+                continue  # `new` may consume `self` (e.g. a convert wrapped around it)
+            user.replace_operand_with(self, new)
+        if include_root and self.parent is not None and self.parent.root is self:
+            self.parent.set_root(new)
+
+    def rename(self, name: str):
+        """Rename (the module keeps names unique) and mark every text that spells the old name."""
+        if self.parent is not None and self.parent.parent is not None:
+            module = self.parent.parent
+            module._names.discard(self.name)
+            name = module.unique_name(name)
+        self.name = name
+        self._touch()
+        for user in self.users:
+            user._touch()
+        if self.parent is not None:
+            for instr in self.parent.instructions:
+                if self in instr.control_predecessors:
+                    instr._touch()
+            if self.opcode == "parameter":
+                self.parent._signature_changed()
+
+    def add_control_predecessor(self, pred: "HloInstruction"):
+        preds = self.control_predecessors
+        if pred not in preds:
+            self.attrs["control-predecessors"] = preds + (pred,)
+
+    # -- printing ---------------------------------------------------------------------------------
+    def to_text(self, *, sigils: bool = True, operand_shapes: bool = True) -> str:
+        """This instruction in XLA's syntax (no `ROOT`), regenerated from the IR."""
+        from .printer import print_instruction
+        return print_instruction(self, sigils=sigils, operand_shapes=operand_shapes)
+
+
+class HloComputation:
+    """A computation: parameters, instructions in order, one root."""
+
+    def __init__(self, name: str, is_entry: bool = False):
+        self.name = name
+        self.is_entry = is_entry
+        self.instructions: list[HloInstruction] = []
+        self.root: HloInstruction | None = None
+        self.parent: HloModule | None = None
+        self.execution_thread: str | None = None
+        self.line: int | None = None
+        self._dirty = False          # instruction list or an instruction changed since parsing
+        self._span = None            # (start, end) of the whole computation's source text
+        self._head_span = None       # (start, end) of `ENTRY name (sig) -> shape {`, None when stale
+        self._tail_span = None       # (start, end) of `}` and any trailing attributes
+        self._signature_text = True  # whether the source spelled a `(params) -> shape` signature
+        self._gaps = {}              # instruction -> source text between it and its predecessor
+
+    # -- reading ----------------------------------------------------------------------------------
+    @property
+    def parameters(self) -> list[HloInstruction]:
+        params = [i for i in self.instructions if i.opcode == "parameter"]
+        params.sort(key=lambda p: p.parameter_number)
+        return params
+
+    def parameter(self, number: int) -> HloInstruction:
+        for i in self.instructions:
+            if i.opcode == "parameter" and i.parameter_number == number:
+                return i
+        raise IndexError(f"{self.name} has no parameter {number}")
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(1 for i in self.instructions if i.opcode == "parameter")
+
+    def get(self, name: str) -> HloInstruction:
+        for i in self.instructions:
+            if i.name == name:
+                return i
+        raise KeyError(f"no instruction {name!r} in computation {self.name}")
+
+    def __iter__(self):
+        return iter(self.instructions)
+
+    def __len__(self):
+        return len(self.instructions)
+
+    def __repr__(self):
+        return f"<HloComputation {self.name}: {len(self.instructions)} instructions>"
+
+    @property
+    def program_shape(self) -> tuple[list[Shape], Shape]:
+        return [p.shape for p in self.parameters], self.root.shape
+
+    def post_order(self) -> list[HloInstruction]:
+        """Instructions with every operand (and control predecessor) before its users."""
+        order, state = [], {}
+        for start in self.instructions:
+            if start in state:
+                continue
+            stack = [(start, False)]
+            while stack:
+                instr, expanded = stack.pop()
+                if expanded:
+                    state[instr] = 2
+                    order.append(instr)
+                    continue
+                if instr in state:
+                    continue
+                state[instr] = 1
+                stack.append((instr, True))
+                for dep in reversed(instr._operands + list(instr.control_predecessors)):
+                    if dep not in state:
+                        stack.append((dep, False))
+        return order
+
+    # -- editing ----------------------------------------------------------------------------------
+    def _signature_changed(self):
+        self._head_span = None
+        self._dirty = True
+        if self.parent is not None and self.is_entry:
+            self.parent._header_stale = True
+
+    def add_instruction(self, opcode: str, operands: Iterable[HloInstruction] = (), shape: Shape | None = None,
+                        *, name: str | None = None, attrs: dict | None = None, before: HloInstruction | None = None,
+                        after: HloInstruction | None = None, parameter_number: int | None = None,
+                        literal=None) -> HloInstruction:
+        """Create an instruction and insert it (at the end unless `before`/`after` is given).
+
+        Without `shape`, the shape is inferred from the operands and attributes as XLA would.
+        """
+        operands = list(operands)
+        if shape is None:
+            from .shape_inference import infer_shape
+            shape = infer_shape(opcode, [o.shape for o in operands], attrs or {}, literal=literal)
+        module = self.parent
+        base = name or opcode
+        name = module.unique_name(base) if module is not None else base
+        instr = HloInstruction(name, opcode, shape, operands, attrs, parameter_number, literal)
+        for op in operands:
+            if instr not in op.users:
+                op.users.append(instr)
+        self._insert(instr, before=before, after=after)
+        if opcode == "parameter":
+            self._signature_changed()
+        return instr
+
+    def add_parameter(self, shape: Shape, name: str | None = None) -> HloInstruction:
+        """Append a parameter with the next parameter number."""
+        return self.add_instruction("parameter", (), shape, name=name or f"param_{self.num_parameters}",
+                                    parameter_number=self.num_parameters)
+
+    def _insert(self, instr: HloInstruction, before=None, after=None):
+        instr.parent = self
+        if before is not None:
+            self.instructions.insert(self.instructions.index(before), instr)
+        elif after is not None:
+            self.instructions.insert(self.instructions.index(after) + 1, instr)
+        else:
+            self.instructions.append(instr)
+        self._dirty = True
+
+    def set_root(self, instr: HloInstruction):
+        if self.root is instr:
+            return
+        old = self.root
+        self.root = instr
+        self._dirty = True
+        if old is not None and old.shape != instr.shape:
+            self._signature_changed()
+
+    def remove_instruction(self, instr: HloInstruction):
+        """Remove an instruction that has no users and is not the root."""
+        if instr.users:
+            raise ValueError(f"cannot remove {instr.name}: it is used by {', '.join(u.name for u in instr.users)}")
+        if instr is self.root:
+            raise ValueError(f"cannot remove {instr.name}: it is the root of {self.name}")
+        for other in self.instructions:
+            if instr in other.control_predecessors:
+                other.attrs["control-predecessors"] = tuple(p for p in other.control_predecessors if p is not instr)
+        for op in set(instr._operands):
+            if instr in op.users:
+                op.users.remove(instr)
+        self.instructions.remove(instr)
+        self._gaps.pop(instr, None)
+        if instr._owner is not None:
+            instr._owner._touch()
+        for other in self.instructions:
+            if other._owner is instr:
+                other._owner = None
+        instr.parent = None
+        self._dirty = True
+        if instr.opcode == "parameter":
+            self._signature_changed()
+        if self.parent is not None:
+            self.parent._names.discard(instr.name)
+
+    def remove_dead_code(self, keep_side_effects: bool = True) -> bool:
+        """Remove instructions whose results nobody uses; returns whether anything was removed."""
+        from .opcodes import has_side_effect
+        live = set()
+        stack = [self.root] + [i for i in self.instructions if i.opcode == "parameter"]
+        if keep_side_effects:
+            stack += [i for i in self.instructions if has_side_effect(i)]
+        while stack:
+            instr = stack.pop()
+            if instr in live:
+                continue
+            live.add(instr)
+            stack.extend(instr._operands)
+            stack.extend(instr.control_predecessors)
+        dead = [i for i in reversed(self.post_order()) if i not in live]
+        for instr in dead:  # users first, so each is unused when removed
+            self.remove_instruction(instr)
+        return bool(dead)
+
+    def sort_topologically(self):
+        """Reorder instructions so that definitions come before uses (needed after out-of-order inserts)."""
+        order = self.post_order()
+        if order != self.instructions:
+            self.instructions = order
+            self._dirty = True
+
+
+class HloModule:
+    """An HLO module: header attributes, computations (callees before callers), one entry."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.attrs: dict = {}                  # header attributes, e.g. replica_count, num_partitions
+        self.computations: list[HloComputation] = []
+        self.entry: HloComputation | None = None
+        self.stack_frames = None               # the FileNames/.../StackFrames tables, when present
+        self.sigils = True                     # names printed with `%`
+        self.operand_shapes = True             # operands printed with their shapes (long form)
+        self._names: set[str] = set()
+        self._source = None
+        self._header_span = None
+        self._header_stale = False
+        self._dirty = False                    # computation list changed since parsing
+        self._gaps = {}                        # computation -> source text before it
+        self._trailing = ""
+
+    # -- reading ----------------------------------------------------------------------------------
+    @property
+    def replica_count(self) -> int:
+        return int(self.attrs.get("replica_count", 1))
+
+    @property
+    def num_partitions(self) -> int:
+        return int(self.attrs.get("num_partitions", 1))
+
+    def computation(self, name: str) -> HloComputation:
+        for c in self.computations:
+            if c.name == name:
+                return c
+        raise KeyError(f"no computation {name!r} in module {self.name}")
+
+    def instructions(self):
+        """Every instruction of every computation."""
+        for comp in self.computations:
+            yield from comp.instructions
+
+    def find(self, name: str) -> HloInstruction:
+        for instr in self.instructions():
+            if instr.name == name:
+                return instr
+        raise KeyError(f"no instruction {name!r} in module {self.name}")
+
+    def callers(self) -> dict[HloComputation, list[HloInstruction]]:
+        """For every computation, the instructions that call it."""
+        out = {c: [] for c in self.computations}
+        for instr in self.instructions():
+            for callee in instr.called_computations:
+                out.setdefault(callee, []).append(instr)
+        return out
+
+    def computations_post_order(self) -> list[HloComputation]:
+        """Computations with every callee before its callers (the order XLA prints)."""
+        order, seen = [], set()
+
+        def visit(comp):
+            stack = [(comp, iter([c for i in comp.instructions for c in i.called_computations]))]
+            seen.add(comp)
+            while stack:
+                current, callees = stack[-1]
+                for callee in callees:
+                    if callee not in seen:
+                        seen.add(callee)
+                        stack.append((callee, iter([c for i in callee.instructions for c in i.called_computations])))
+                        break
+                else:
+                    stack.pop()
+                    order.append(current)
+        for comp in self.computations:
+            if comp not in seen and comp is not self.entry:
+                visit(comp)
+        if self.entry is not None and self.entry not in seen:
+            visit(self.entry)
+        return order
+
+    def __repr__(self):
+        return f"<HloModule {self.name}: {len(self.computations)} computations>"
+
+    # -- editing ----------------------------------------------------------------------------------
+    def unique_name(self, base: str) -> str:
+        """A name not used yet in this module (XLA style: `base`, `base.1`, `base.2`, ...)."""
+        if base.startswith("%"):
+            base = base[1:]
+        names = self._names
+        if base not in names:
+            names.add(base)
+            return base
+        stem, dot, suffix = base.rpartition(".")
+        if dot and suffix.isdigit():
+            base = stem
+        n = 1
+        while f"{base}.{n}" in names:
+            n += 1
+        name = f"{base}.{n}"
+        names.add(name)
+        return name
+
+    def add_computation(self, comp: HloComputation, *, before: HloComputation | None = None) -> HloComputation:
+        """Add a computation (before `before`, else just before the entry) and claim its names."""
+        comp.parent = self
+        comp.name = self.unique_name(comp.name)
+        for instr in comp.instructions:
+            if instr.name in self._names:
+                instr.name = self.unique_name(instr.name)
+                instr._touch()
+            else:
+                self._names.add(instr.name)
+        anchor = before or (self.entry if self.entry in self.computations else None)
+        if anchor is not None:
+            self.computations.insert(self.computations.index(anchor), comp)
+        else:
+            self.computations.append(comp)
+        if comp.is_entry:
+            self.entry = comp
+        self._dirty = True
+        return comp
+
+    def remove_computation(self, comp: HloComputation):
+        if comp is self.entry:
+            raise ValueError("cannot remove the entry computation")
+        callers = self.callers().get(comp)
+        if callers:
+            raise ValueError(f"cannot remove {comp.name}: called by {', '.join(i.name for i in callers)}")
+        self.computations.remove(comp)
+        self._gaps.pop(comp, None)
+        for instr in comp.instructions:
+            self._names.discard(instr.name)
+        self._names.discard(comp.name)
+        comp.parent = None
+        self._dirty = True
+
+    def clone_computation(self, comp: HloComputation, suffix: str = "clone",
+                          replacements: dict | None = None) -> HloComputation:
+        """Deep-copy `comp` (fresh names, same callees) into this module, before the entry."""
+        clone = HloComputation(f"{comp.name}.{suffix}")
+        mapping = dict(replacements or {})
+        for instr in comp.post_order():
+            if instr in mapping:
+                continue
+            new = HloInstruction(instr.name, instr.opcode, instr.shape, [mapping[o] for o in instr._operands],
+                                 None, instr.parameter_number, instr.literal)
+            attrs = {}
+            for key, value in instr.attrs.items():
+                if key == "control-predecessors":
+                    value = tuple(mapping[p] for p in value)
+                attrs[key] = value
+            dict.update(new.attrs, attrs)
+            for op in new._operands:
+                if new not in op.users:
+                    op.users.append(new)
+            new.parent = clone
+            clone.instructions.append(new)
+            mapping[instr] = new
+        clone.root = mapping[comp.root]
+        clone.execution_thread = comp.execution_thread
+        clone._dirty = True
+        return self.add_computation(clone)
+
+    def remove_dead_computations(self) -> bool:
+        """Drop computations that nothing reachable from the entry calls."""
+        reachable, stack = set(), [self.entry]
+        while stack:
+            comp = stack.pop()
+            if comp in reachable:
+                continue
+            reachable.add(comp)
+            for instr in comp.instructions:
+                stack.extend(instr.called_computations)
+        dead = [c for c in self.computations if c not in reachable]
+        for comp in dead:
+            self.computations.remove(comp)
+            self._gaps.pop(comp, None)
+            comp.parent = None
+        if dead:
+            self._dirty = True
+        return bool(dead)
+
+    def set_attr(self, key: str, value):
+        """Set a header attribute (e.g. `replica_count`)."""
+        self.attrs[key] = value
+        self._header_stale = True
+
+    # -- printing ---------------------------------------------------------------------------------
+    def to_text(self, regenerate: bool = False) -> str:
+        """The module as HLO text: unmodified parts verbatim, edited parts in XLA's style.
+
+        `regenerate=True` prints everything from the IR, reusing no source text.
+        """
+        from .printer import print_module
+        return print_module(self, regenerate=regenerate)
+
+    def __str__(self):
+        return self.to_text()

@@ -1,0 +1,2 @@
+def verify_module(module):
+    pass

@@ -1,0 +1,408 @@
+"""The one module that calls into jaxlib's XLA bindings.
+
+jaxlib moves these APIs between releases, so every call into XLA goes through
+this module and nothing else in the project imports ``jax._src``.  Verified on
+jaxlib 0.10.2.
+
+Safety: XLA's C++ HLO parser recurses once per nesting level and crashes the
+whole process (a segfault, not an exception) on input nested about ten thousand
+levels deep.  Never hand untrusted text to this module directly: parse it with
+``hlo_tools.parse_module`` first, which rejects such input with an ordinary
+``HloParseError``.
+
+Sections, in order: errors; HLO text and proto conversion.  New groups of
+functions (compiling, executing) go in their own section at the end.
+"""
+
+from __future__ import annotations
+
+from jax._src.lib import xla_client as _xc
+
+# --- Errors -----------------------------------------------------------------
+
+
+class XlaBridgeError(Exception):
+    """XLA refused an operation; the message is XLA's own."""
+
+
+def _xla_message(exc: Exception) -> str:
+    """XLA's error text without jaxlib's wrapper noise."""
+    return str(exc).strip() or type(exc).__name__
+
+
+# --- HLO text and proto conversion ------------------------------------------
+
+
+def xla_parse(text: str):
+    """Parse HLO module text with XLA's own parser and return XLA's module.
+
+    Raises:
+      XlaBridgeError: XLA rejected the text; the message is XLA's.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"HLO text must be str, not {type(text).__name__}")
+    try:
+        return _xc.hlo.hlo_module_from_text(text)
+    except RuntimeError as exc:
+        raise XlaBridgeError(f"XLA could not parse the module: {_xla_message(exc)}") from exc
+
+
+def xla_print(module, canonical: bool = False) -> str:
+    """Print a module from ``xla_parse``, in XLA's default style or its canonical form."""
+    if canonical:
+        return module.to_string(_xc.hlo.HloPrintOptions.canonical())
+    return module.to_string()
+
+
+def canonical_text(text: str) -> str:
+    """XLA's canonical print of ``text``: names, metadata and layout noise normalized.
+
+    Two modules with equal canonical text mean the same computation.
+    """
+    return xla_print(xla_parse(text), canonical=True)
+
+
+def text_to_proto(text: str) -> bytes:
+    """Serialize HLO text to XLA's ``HloModuleProto`` bytes."""
+    return xla_parse(text).as_serialized_hlo_module_proto()
+
+
+def proto_to_text(data: bytes, canonical: bool = False) -> str:
+    """Print serialized ``HloModuleProto`` bytes as HLO text.
+
+    Args:
+      data: the serialized proto, e.g. what an XLA pass hook receives.
+      canonical: print XLA's canonical form instead of its default style.
+
+    Raises:
+      XlaBridgeError: the bytes are not a valid module proto.
+    """
+    try:
+        module = _xc.hlo.HloModule.from_serialized_hlo_module_proto(bytes(data))
+    except RuntimeError as exc:
+        raise XlaBridgeError(f"XLA could not read the module proto: {_xla_message(exc)}") from exc
+    return xla_print(module, canonical)
+
+
+def same_meaning(text_a: str, text_b: str) -> bool:
+    """Whether XLA reads both texts as the same module (equal canonical forms).
+
+    Raises:
+      XlaBridgeError: XLA could not parse one of the texts.
+    """
+    return canonical_text(text_a) == canonical_text(text_b)
+
+
+# --- Compiling and executing (hlo_tools.runner) ------------------------------
+#
+# Everything the runner needs from jax/jaxlib, in plain Python and numpy terms:
+# devices are jax device objects only inside this section; callers see indices.
+#
+# Compile options that work on jaxlib 0.10.2 (see docs/run.md):
+#   * replica programs: num_replicas=N, num_partitions=1, a N x 1 device
+#     assignment, use_spmd_partitioning=False;
+#   * modules still to be partitioned (JAX/GSPMD/Shardy dumps before
+#     optimization): num_partitions=N, a 1 x N device assignment,
+#     use_spmd_partitioning=True, use_shardy_partitioner=True exactly when the
+#     module carries Shardy (``xla.sdy``) attributes (XLA's GSPMD partitioner
+#     RET_CHECK-fails on Shardy custom calls);
+#   * per-device modules (already partitioned): XLA refuses num_partitions>1
+#     without SPMD partitioning, so partitioning stays enabled but its passes
+#     are switched off through DebugOptions.xla_disable_hlo_passes; XLA then
+#     compiles the module as written, once per partition.
+
+import numpy as _np
+
+# XLA passes that partition a module; switched off for per-device modules.
+_PARTITIONING_PASSES = ("sharding-propagation", "spmd-partitioning", "shardy-xla")
+
+
+def _jax():
+    import jax  # noqa: PLC0415 - heavy; only the runner needs it
+
+    return jax
+
+
+def backend_initialized() -> bool:
+    """Whether jax has already created its backends (device counts are then fixed)."""
+    from jax._src import xla_bridge as _xb  # noqa: PLC0415
+
+    return _xb.backends_are_initialized()
+
+
+def configure_cpu_devices(count: int) -> bool:
+    """Ask for ``count`` CPU devices before jax's backends start.
+
+    Returns False (and changes nothing) when the backends already started.
+    """
+    if backend_initialized():
+        return False
+    _jax().config.update("jax_num_cpu_devices", int(count))
+    return True
+
+
+def initialize_distributed(coordinator: str, num_processes: int, process_id: int,
+                           timeout_s: int = 120) -> None:
+    """Join a multi-process run: jax.distributed with gloo CPU collectives.
+
+    Must run before any backend starts.  Each process sees all processes'
+    devices; collectives between processes go over gloo TCP.
+    """
+    jax = _jax()
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(
+            coordinator_address=coordinator, num_processes=int(num_processes),
+            process_id=int(process_id), initialization_timeout=int(timeout_s),
+            heartbeat_timeout_seconds=max(10, int(timeout_s)))
+    except Exception as exc:  # noqa: BLE001 - jax raises several types here
+        raise XlaBridgeError(f"could not join the distributed run at {coordinator}: "
+                             f"{_xla_message(exc)}") from exc
+
+
+def shutdown_distributed() -> None:
+    """Leave the multi-process run (no-op outside one)."""
+    try:
+        _jax().distributed.shutdown()
+    except Exception:  # noqa: BLE001 - best effort at exit
+        pass
+
+
+def platform_devices(platform: str) -> tuple[list, int]:
+    """All devices of ``platform`` (every process's, sorted by id) and this process's index."""
+    from jax._src import xla_bridge as _xb  # noqa: PLC0415
+
+    try:
+        backend = _xb.get_backend(platform)
+    except Exception as exc:  # noqa: BLE001 - RuntimeError and friends
+        raise XlaBridgeError(f"platform '{platform}' is not available: {_xla_message(exc)}") from exc
+    return sorted(backend.devices(), key=lambda d: d.id), backend.process_index()
+
+
+def device_process(device) -> int:
+    """The index of the process that owns ``device``."""
+    return device.process_index
+
+
+def module_from_proto(data: bytes):
+    """XLA's module from serialized ``HloModuleProto`` bytes."""
+    try:
+        return _xc.hlo.HloModule.from_serialized_hlo_module_proto(bytes(data))
+    except RuntimeError as exc:
+        raise XlaBridgeError(f"XLA could not read the module proto: {_xla_message(exc)}") from exc
+
+
+def module_text(module) -> str:
+    """XLA's (default-style) print of one of its modules."""
+    return xla_print(module, canonical=False)
+
+
+def _shape_leaves(shape) -> list[tuple[tuple[int, ...], object]]:
+    if shape.is_tuple():
+        return [leaf for element in shape.tuple_shapes() for leaf in _shape_leaves(element)]
+    if shape.is_token():
+        return [((), "token")]
+    return [(tuple(shape.dimensions()), _np.dtype(shape.numpy_dtype()))]
+
+
+def program_signature(module) -> tuple[list, list, list[bool]]:
+    """Entry parameters and result leaves of an XLA module, as (dims, numpy dtype) pairs.
+
+    Returns ``(parameters, result_leaves, parameter_is_tuple)``; tuples in the
+    result are flattened depth first; a token is ``((), "token")``.
+    """
+    shape = _xc.XlaComputation(module.as_serialized_hlo_module_proto()).program_shape()
+    params, is_tuple = [], []
+    for p in shape.parameter_shapes():
+        leaves = _shape_leaves(p)
+        is_tuple.append(bool(p.is_tuple()))
+        params.append(leaves[0] if len(leaves) == 1 and not p.is_tuple() else leaves)
+    return params, _shape_leaves(shape.result_shape()), is_tuple
+
+
+def describe_sharding(text: str):
+    """XLA's reading of an HLO sharding attribute, as plain data.
+
+    Returns one of ``("replicated",)``, ``("manual",)``, ``("maximal", device)``,
+    ``("tiled", tile_dims, devices, replicated_dims)`` where ``tile_dims`` covers
+    every tile dimension (data dimensions first, then the replicated/subgroup
+    ones counted by ``replicated_dims``) and ``devices`` is the tile assignment
+    flattened in row-major order; or ``("tuple", [elements])`` and
+    ``("unknown", text)``.
+    """
+    try:
+        sharding = _xc.HloSharding.from_string(text)
+    except RuntimeError as exc:
+        raise XlaBridgeError(f"XLA could not read the sharding {text}: {_xla_message(exc)}") from exc
+    return _describe(sharding)
+
+
+def _describe(sharding):
+    # Order matters: tile_assignment_* CHECK-fail (abort the process) on tuples.
+    elements = sharding.tuple_elements()
+    if elements:
+        return ("tuple", [_describe(e) for e in elements])
+    if sharding.is_manual():
+        return ("manual",)
+    if sharding.is_replicated():
+        return ("replicated",)
+    if sharding.is_maximal():
+        return ("maximal", int(sharding.tile_assignment_devices()[0]))
+    if sharding.is_tiled():
+        dims = [int(d) for d in sharding.tile_assignment_dimensions()]
+        extra = int(bool(sharding.replicate_on_last_tile_dim())) + len(sharding.subgroup_types())
+        return ("tiled", dims, [int(d) for d in sharding.tile_assignment_devices()], extra)
+    return ("unknown", str(sharding))
+
+
+def _op_sharding_text(op_sharding) -> str:
+    return str(_xc.HloSharding.from_proto(op_sharding))
+
+
+class Executable:
+    """A module compiled for a list of devices (all of them, every process's).
+
+    ``logical_devices[i]`` runs logical device ``i``: replica ``i`` of a
+    replica program, partition ``i`` of a partitioned one.
+    """
+
+    def __init__(self, loaded, devices, process_index):
+        self._loaded = loaded
+        self.devices = list(devices)
+        self.local = [i for i, d in enumerate(self.devices) if d.process_index == process_index]
+
+    def parameter_shardings(self) -> list[str] | None:
+        """XLA's shardings of the entry parameters (partitioned modules only), as text."""
+        shardings = self._loaded.get_parameter_shardings()
+        return None if shardings is None else [_op_sharding_text(s) for s in shardings]
+
+    def output_shardings(self) -> list[str] | None:
+        """XLA's shardings of the result leaves (partitioned modules only), as text."""
+        shardings = self._loaded.get_output_shardings()
+        return None if shardings is None else [_op_sharding_text(s) for s in shardings]
+
+    def optimized_text(self) -> str:
+        """The module XLA compiled, after its optimizations (per device)."""
+        return self._loaded.hlo_modules()[0].to_string()
+
+    def cost_analysis(self) -> dict:
+        try:
+            return dict(self._loaded.cost_analysis())
+        except Exception:  # noqa: BLE001 - not every backend has one
+            return {}
+
+    def _device_arrays(self, per_device: list[list]) -> list:
+        """One jax Array per parameter, holding each local device's own numpy data.
+
+        The array claims to be replicated over the run's devices with the
+        per-device shape, which is what XLA expects of each device's buffer;
+        the data may differ between devices (jax never checks, XLA never cares).
+        """
+        jax = _jax()
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: PLC0415
+
+        sharding = NamedSharding(Mesh(_np.array(self.devices), ("d",)), PartitionSpec())
+        arrays = []
+        with jax.enable_x64(True):  # keep 64-bit inputs 64-bit (jax narrows them by default)
+            for shards in per_device:
+                buffers = [jax.device_put(shards[i], self.devices[i]) for i in self.local]
+                shape = _np.shape(shards[self.local[0]]) if self.local else ()
+                arrays.append(jax.make_array_from_single_device_arrays(shape, sharding, buffers))
+        return arrays
+
+    def execute(self, per_device: list[list], iterations: int = 1, on_iteration=None):
+        """Run the executable ``iterations`` times on each device's own inputs.
+
+        Args:
+          per_device: ``per_device[k][i]`` is parameter ``k``'s numpy array on
+            logical device ``i`` (only this process's devices are read).
+          iterations: how many times to run; inputs are re-sent before each
+            run (outside the timing) so that donated buffers stay valid.
+          on_iteration: called with the iteration number after each run.
+
+        Returns:
+          ``(outputs, seconds)``: ``outputs[j]`` maps each local logical device
+          to result leaf ``j`` of the first run; ``seconds`` has one wall time
+          per run.
+        """
+        import time  # noqa: PLC0415
+
+        jax = _jax()
+        outputs, seconds = None, []
+        for it in range(max(1, int(iterations))):
+            arrays = self._device_arrays(per_device)
+            jax.block_until_ready(arrays)
+            start = time.perf_counter()
+            try:
+                with jax.enable_x64(True):
+                    results = self._loaded.execute_sharded(arrays)
+                    leaves = results.disassemble_into_single_device_arrays()
+                    jax.block_until_ready(leaves)
+            except Exception as exc:  # noqa: BLE001 - XlaRuntimeError and friends
+                raise XlaBridgeError(f"XLA could not run the module: {_xla_message(exc)}") from exc
+            seconds.append(time.perf_counter() - start)
+            if outputs is None:
+                outputs = []
+                for leaf in leaves:
+                    by_device = {self.devices.index(b.device): _np.asarray(b) for b in
+                                 (x for x in leaf)}
+                    outputs.append(by_device)
+            if on_iteration is not None:
+                on_iteration(it + 1)
+        return outputs, seconds
+
+
+def compile_module(module, platform: str, devices: list, process_index: int, *,
+                   num_replicas: int, num_partitions: int, partitioner: str) -> Executable:
+    """Compile an XLA module with PJRT for ``devices`` (logical device i -> devices[i]).
+
+    Args:
+      partitioner: ``"none"`` (replica or single-device programs),
+        ``"gspmd"`` / ``"shardy"`` (partition the module with that partitioner),
+        or ``"prepartitioned"`` (a per-device module: compile as written).
+    """
+    from jax._src import xla_bridge as _xb  # noqa: PLC0415
+
+    n = num_replicas * num_partitions
+    if len(devices) != n:
+        raise XlaBridgeError(f"{n} devices are needed, {len(devices)} were given")
+    options = _xc.CompileOptions()
+    options.num_replicas = num_replicas
+    options.num_partitions = num_partitions
+    ids = _np.array([d.id for d in devices]).reshape(num_replicas, num_partitions)
+    options.device_assignment = _xc.DeviceAssignment.create(ids)
+    build = options.executable_build_options
+    build.use_spmd_partitioning = partitioner != "none"
+    build.use_shardy_partitioner = partitioner == "shardy"
+    if partitioner == "prepartitioned":
+        build.debug_options.xla_disable_hlo_passes = ",".join(_PARTITIONING_PASSES)
+    try:
+        computation = _xc.XlaComputation(module.as_serialized_hlo_module_proto())
+        mlir = _xc._xla.mlir.xla_computation_to_mlir_module(computation)
+        loaded = _xb.get_backend(platform).compile_and_load(
+            mlir, _xc.DeviceList(tuple(devices)), options)
+    except Exception as exc:  # noqa: BLE001 - XlaRuntimeError, ValueError, ...
+        raise XlaBridgeError(f"XLA could not compile the module: {_xla_message(exc)}") from exc
+    return Executable(loaded, devices, process_index)
+
+
+def gather_from_processes(per_device: dict[int, _np.ndarray], devices: list,
+                          process_index: int) -> dict[int, _np.ndarray]:
+    """Every process's per-device arrays, on every process (a collective call).
+
+    ``per_device`` maps this process's logical device indices to equally shaped
+    arrays; all processes must call this together with the same ``devices``.
+    """
+    jax = _jax()
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: PLC0415
+
+    local = [i for i, d in enumerate(devices) if d.process_index == process_index]
+    sample = per_device[local[0]]
+    sharding = NamedSharding(Mesh(_np.array(devices), ("d",)), PartitionSpec("d"))
+    with jax.enable_x64(True):
+        buffers = [jax.device_put(per_device[i][None], devices[i]) for i in local]
+        array = jax.make_array_from_single_device_arrays(
+            (len(devices),) + tuple(sample.shape), sharding, buffers)
+        gathered = _np.asarray(multihost_utils.process_allgather(array, tiled=True))
+    return {i: gathered[i] for i in range(len(devices))}

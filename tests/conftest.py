@@ -1,0 +1,47 @@
+"""Test setup: 8 CPU devices for JAX, and session-wide fixtures of real HLO modules."""
+
+import os
+
+# XLA reads XLA_FLAGS once, when its first backend starts: set it before anything imports jax.
+_DEVICE_FLAG = "--xla_force_host_platform_device_count=8"
+if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_FLAG}".strip()
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import importlib.util  # noqa: E402
+
+import pytest  # noqa: E402
+
+import real_programs  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def jax_modules() -> dict[str, str]:
+    """HLO of the JAX programs (shard_map, pmap, NamedSharding, Flax/optax, loops, cond)."""
+    return real_programs.jax_programs()
+
+
+@pytest.fixture(scope="session")
+def pass_hook_modules() -> dict[str, str]:
+    """Modules that XLA hands to a registered pass hook."""
+    return real_programs.pass_hook_programs()
+
+
+@pytest.fixture(scope="session")
+def xla_dump_modules(tmp_path_factory) -> dict[str, str]:
+    """HLO modules from an ``--xla_dump_to`` dump, including per-pass dumps."""
+    return real_programs.xla_dump_programs(str(tmp_path_factory.mktemp("xla_dump")))
+
+
+@pytest.fixture(scope="session")
+def tf_modules(tmp_path_factory) -> dict[str, str]:
+    """HLO of TensorFlow XLA functions; skipped where TensorFlow is not installed."""
+    if importlib.util.find_spec("tensorflow") is None:
+        pytest.skip("TensorFlow is not installed (pip install -e '.[tensorflow]')")
+    return real_programs.tf_programs(str(tmp_path_factory.mktemp("tf")))
+
+
+@pytest.fixture(scope="session")
+def real_modules(jax_modules, pass_hook_modules, xla_dump_modules) -> dict[str, str]:
+    """Every module generated with JAX (programs, pass hook, XLA dump), by name."""
+    return {**jax_modules, **pass_hook_modules, **xla_dump_modules}

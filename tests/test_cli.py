@@ -1,0 +1,232 @@
+"""The hlo-tools command line: subcommands, output files and one-line errors."""
+
+import argparse
+import importlib
+import io
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+import hlo_tools
+from hlo_tools import cli, xla_bridge
+
+# Irregular spacing and a comment-free blank line: the faithful print must keep them.
+MODULE = """HloModule cli_test, entry_computation_layout={(f32[4]{0})->f32[4]{0}}
+
+add {
+  x = f32[] parameter(0)
+  y = f32[] parameter(1)
+  ROOT s = f32[] add(x, y)
+}
+
+ENTRY main {
+  p  = f32[4]{0} parameter(0)
+  ROOT r = f32[4]{0} all-reduce(p), replica_groups={{0,1}}, to_apply=add
+}
+"""
+
+# Parses, but the add's result shape contradicts its operands.
+MISTYPED = """HloModule mistyped
+
+ENTRY main {
+  p = f32[4]{0} parameter(0)
+  ROOT a = f32[8]{0} add(p, p)
+}
+"""
+
+ERROR_LINE = re.compile(r"hlo-tools: error: [^\n]+\n")
+
+
+@pytest.fixture
+def module_file(tmp_path):
+    path = tmp_path / "module.hlo"
+    path.write_text(MODULE, encoding="utf-8")
+    return path
+
+
+def run(capsys, *argv):
+    """(exit status, stdout, stderr) of ``hlo-tools argv``."""
+    try:
+        status = cli.main([str(a) for a in argv])
+    except SystemExit as exit_:
+        status = exit_.code
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The subcommand parsers registered on ``parser``."""
+    (action,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return action.choices
+
+
+def test_help_lists_every_subcommand(capsys):
+    status, out, _ = run(capsys, "--help")
+    assert status == 0
+    names = subcommands(cli.build_parser())
+    assert {"print", "verify"} <= set(names)
+    for name in names:
+        assert re.search(rf"^\s+{re.escape(name)}\s", out, flags=re.M), name
+
+
+@pytest.mark.parametrize("module_name", cli.COMMAND_MODULES)
+def test_command_module_registers_runnable_subcommands(module_name):
+    parser = argparse.ArgumentParser()
+    importlib.import_module(module_name).register(parser.add_subparsers())
+    registered = subcommands(parser)
+    assert registered
+    for subparser in registered.values():
+        assert callable(subparser.get_default("func"))
+
+
+def test_print_is_byte_exact(capsys, module_file):
+    assert run(capsys, "print", module_file) == (0, MODULE, "")
+
+
+def test_print_reads_stdin(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(MODULE.encode())))
+    assert run(capsys, "print", "-") == (0, MODULE, "")
+
+
+def test_print_regenerate_reprints_in_xla_style(capsys, module_file):
+    status, out, _ = run(capsys, "print", "--regenerate", module_file)
+    assert status == 0
+    assert out == hlo_tools.parse_module(MODULE).to_text(regenerate=True)
+    assert "p  =" not in out
+    assert xla_bridge.same_meaning(out, MODULE)
+
+
+def test_print_to_output_file(capsys, module_file, tmp_path):
+    out_path = tmp_path / "out" / "printed.hlo"
+    out_path.parent.mkdir()
+    assert run(capsys, "print", module_file, "-o", out_path) == (0, "", "")
+    assert out_path.read_bytes() == MODULE.encode()
+    assert os.listdir(out_path.parent) == ["printed.hlo"]  # no temp file left behind
+
+
+def test_print_replaces_existing_output_file(capsys, module_file, tmp_path):
+    out_path = tmp_path / "old.hlo"
+    out_path.write_text("old contents")
+    assert run(capsys, "print", module_file, "--regenerate", "-o", out_path)[0] == 0
+    assert out_path.read_text() == hlo_tools.parse_module(MODULE).to_text(regenerate=True)
+
+
+def test_output_file_keeps_permissions_of_replaced_file(capsys, module_file, tmp_path):
+    out_path = tmp_path / "shared.hlo"
+    out_path.write_text("old contents")
+    out_path.chmod(0o640)
+    assert run(capsys, "print", module_file, "-o", out_path)[0] == 0
+    assert out_path.stat().st_mode & 0o777 == 0o640
+
+
+def test_new_output_file_gets_default_permissions(capsys, module_file, tmp_path):
+    out_path = tmp_path / "new.hlo"
+    umask = os.umask(0o022)
+    try:
+        assert run(capsys, "print", module_file, "-o", out_path)[0] == 0
+    finally:
+        os.umask(umask)
+    assert out_path.stat().st_mode & 0o777 == 0o644
+
+
+@pytest.mark.parametrize("via_link", [False, True])
+def test_print_refuses_to_overwrite_input(capsys, module_file, tmp_path, via_link):
+    target = module_file
+    if via_link:
+        target = tmp_path / "link.hlo"
+        target.symlink_to(module_file)
+    status, out, err = run(capsys, "print", module_file, "--regenerate", "-o", target)
+    assert status == 1
+    assert err == f"hlo-tools: error: {target}: refusing to overwrite the input file\n"
+    assert module_file.read_text() == MODULE
+
+
+def test_verify_reports_module_size(capsys, module_file):
+    status, out, err = run(capsys, "verify", module_file)
+    assert (status, err) == (0, "")
+    assert out == "OK: cli_test (2 computations, 5 instructions)\n"
+
+
+def test_parse_error_is_one_located_line(capsys, tmp_path):
+    bad = tmp_path / "bad.hlo"
+    bad.write_text(MODULE.replace("parameter(0)\n  ROOT r", "parameter(0\n  ROOT r"))
+    status, out, err = run(capsys, "print", bad)
+    assert (status, out) == (1, "")
+    assert ERROR_LINE.fullmatch(err)
+    assert re.match(rf"hlo-tools: error: {re.escape(str(bad))}:\d+:\d+: \S", err)
+
+
+def test_verify_error_is_one_line(capsys, tmp_path):
+    bad = tmp_path / "mistyped.hlo"
+    bad.write_text(MISTYPED)
+    status, out, err = run(capsys, "verify", bad)
+    assert (status, out) == (1, "")
+    assert ERROR_LINE.fullmatch(err)
+    assert err.startswith(f"hlo-tools: error: {bad}:")
+
+
+def test_missing_file_is_one_line(capsys, tmp_path):
+    missing = tmp_path / "missing.hlo"
+    status, _, err = run(capsys, "verify", missing)
+    assert status == 1
+    assert err == f"hlo-tools: error: {missing}: No such file or directory\n"
+
+
+def test_non_utf8_file_is_one_line(capsys, tmp_path):
+    binary = tmp_path / "binary.hlo"
+    binary.write_bytes(b"HloModule m\xff\xfe\n")
+    status, _, err = run(capsys, "print", binary)
+    assert status == 1
+    assert err.startswith(f"hlo-tools: error: {binary}: not UTF-8 text")
+
+
+def test_unexpected_exception_is_one_line(capsys, module_file, monkeypatch):
+    def broken(text):
+        raise ValueError("boom\nsecond line")
+
+    monkeypatch.setattr(hlo_tools, "parse_module", broken)
+    status, _, err = run(capsys, "print", module_file)
+    assert status == 1
+    assert err == "hlo-tools: error: internal error: ValueError: boom\n"
+
+
+@pytest.mark.parametrize("argv", [[], ["frobnicate"], ["print"], ["print", "a", "--bogus"]])
+def test_usage_errors_exit_2(capsys, argv):
+    status, _, err = run(capsys, *argv)
+    assert status == 2
+    assert "usage: hlo-tools" in err
+
+
+def test_console_entry_point_never_prints_a_traceback(tmp_path):
+    bad = tmp_path / "bad.hlo"
+    bad.write_text("HloModule m\nENTRY e {\n  ROOT p = f32[ parameter(0)\n}\n")
+    result = subprocess.run([sys.executable, "-m", "hlo_tools", "verify", str(bad)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert ERROR_LINE.fullmatch(result.stderr)
+
+
+
+def test_closed_stdout_pipe_ends_quietly(monkeypatch, capsys, module_file, tmp_path):
+    class ClosedPipe:
+        """A stdout whose reader went away (`hlo-tools print x | head`)."""
+
+        def __init__(self):
+            self.fd = os.open(tmp_path / "stdout", os.O_WRONLY | os.O_CREAT)
+
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def fileno(self):
+            return self.fd
+
+    stdout = ClosedPipe()
+    monkeypatch.setattr(sys, "stdout", stdout)
+    assert cli.main(["print", str(module_file)]) == 1
+    assert capsys.readouterr().err == ""
+    assert os.path.samefile(f"/proc/self/fd/{stdout.fd}", os.devnull)  # later flushes go nowhere
+    os.close(stdout.fd)
