@@ -57,8 +57,15 @@ class _AttrDict(dict):
 class HloInstruction:
     """One HLO instruction. Create through `HloComputation.add_instruction`."""
 
-    __slots__ = ("name", "opcode", "shape", "_operands", "users", "attrs", "parent",
-                 "parameter_number", "literal", "line", "_span", "_name_start", "_owner", "_root_text")
+    # Defaults shared by every instruction until one sets its own (keeps creation cheap: parsing
+    # a large module creates tens of thousands of instructions).
+    parent: "HloComputation | None" = None
+    parameter_number: int | None = None
+    literal = None
+    line: int | None = None   # 1-based source line, for error messages
+    _span = None              # (start, end) of the source text while unmodified
+    _name_start = None        # where the name starts inside the span (after `ROOT`)
+    _owner = None             # the instruction whose source text holds this nested one
 
     def __init__(self, name: str, opcode: str, shape: Shape, operands=(), attrs=None,
                  parameter_number: int | None = None, literal=None):
@@ -67,15 +74,11 @@ class HloInstruction:
         self.shape = shape
         self._operands = list(operands)
         self.users: list[HloInstruction] = []
-        self.attrs = _AttrDict(self, attrs or {})
-        self.parent: HloComputation | None = None
-        self.parameter_number = parameter_number
-        self.literal = literal
-        self.line: int | None = None  # 1-based source line, for error messages
-        self._span = None             # (start, end) of the source text while unmodified
-        self._name_start = None       # where the name starts inside the span (after `ROOT`)
-        self._owner = None            # the instruction whose source text holds this nested one
-        self._root_text = None
+        self.attrs = _AttrDict(self, attrs) if attrs else _AttrDict(self)
+        if parameter_number is not None:
+            self.parameter_number = parameter_number
+        if literal is not None:
+            self.literal = literal
 
     # -- reading ----------------------------------------------------------------------------------
     @property

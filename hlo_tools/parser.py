@@ -11,13 +11,14 @@ reproduces unmodified text byte for byte.
 """
 from __future__ import annotations
 
+import gc
 import re
 
 from . import attributes as A
 from .errors import HloParseError
 from .ir import COMPUTATION_ATTRS, HloComputation, HloInstruction, HloModule
 from .literal import Literal
-from .opcodes import is_opcode
+from .opcodes import OPCODES, is_opcode
 from .shape import DTYPE_BITS, UNBOUNDED, Layout, Shape
 
 MAX_NESTING = 256  # deeper tuples/brackets than any real module; XLA's own parser crashes near 10k
@@ -34,6 +35,7 @@ _LAYOUT_SIMPLE = re.compile(r"\{\s*(\d+(?:\s*,\s*\d+)*)?\s*\}")
 _COMMENT = re.compile(r"/\*.*?\*/", re.S)
 _UNCOMMENTED_ATTRS = frozenset({"metadata", "frontend_attributes", "backend_config"}) | A.QUOTED_ATTRS
 _CLOSE = {")": "(", "]": "[", "}": "{"}
+_FAST_OPCODES = frozenset(OPCODES)
 _STACK_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
 _SHAPE_CACHE: dict[str, Shape] = {}
 _ATTR_CACHE: dict[tuple[str, str], object] = {}
@@ -45,11 +47,20 @@ _FAST_HEAD = re.compile(r"(ROOT[ \t]+)?(%?([A-Za-z_][\w.\-]*))[ \t]*=[ \t]*(" + 
 _OPERAND_RE = (r"\s*(?:/\*index=\d+\*/)?\s*(?:([a-z][a-z0-9]*\[[^\]]*\](?:\{[^{}]*\})?)\s+)?"
                r"%?([A-Za-z_][\w.\-]*)\s*")
 _FAST_OPERAND = re.compile(_OPERAND_RE)
+_ARRAY_RE = r"[a-z][a-z0-9]*\[[^\]\n]*\](?:\{[^{}\n]*\})?"
+_FAST_SIGNATURE = re.compile(r"\(((?:[^()\n])*)\)[ \t]*->[ \t]*(" + _ARRAY_RE + r")")
+_FAST_PARAM = re.compile(r"([A-Za-z_][\w.\-]*)[ \t]*:[ \t]*(" + _ARRAY_RE + r")")
 _STR_RE = r'"(?:[^"\\]|\\.)*"'
 _BRACED_RE = r"\{(?:[^{}\"]|" + _STR_RE + r"|\{(?:[^{}\"]|" + _STR_RE + r"|\{(?:[^{}\"]|" + _STR_RE + r")*\})*\})*\}"
 # `, key=value` where value is a word, a string, or braces nested at most three deep.
-_FAST_ATTR = re.compile(r"[ \t]*,[ \t]*([A-Za-z_][\w.\-]*)=(" + _STR_RE + "|" + _BRACED_RE
-                        + r"|[^\s,{}()\"\[\]]+)(?=[\s,)}]|$)")
+_FAST_ATTR_RE = (r"[ \t]*,[ \t]*([A-Za-z_][\w.\-]*)=(" + _STR_RE + "|" + _BRACED_RE
+                 + r"|[^\s,{}()\"\[\]]+)(?=[\s,)}]|$)")
+_FAST_ATTR = re.compile(_FAST_ATTR_RE)
+# One whole ordinary instruction line, preceded by its blank space (consumed by _fast_lines).
+_FAST_LINE = re.compile(r"[ \t]*(?:\n[ \t]*)+((ROOT[ \t]+)?(%?([A-Za-z_][\w.\-]*))[ \t]*=[ \t]*(" + _SHAPE_RE
+                        + r")[ \t]+([a-z][a-z0-9\-]*)\(([^()\n]*)\)([^\n]*?))(?=[ \t]*\n)")
+_FAST_ATTR_PIECE = re.compile("(" + _FAST_ATTR_RE.replace("([A-Za-z_]", "(?P<k>[A-Za-z_]", 1).replace("=(", "=(?P<v>", 1) + ")")
+_FAST_ATTRS = re.compile("(?:" + _FAST_ATTR_RE.replace("([A-Za-z_]", "(?:[A-Za-z_]").replace("=(", "=(?:") + ")*")
 _FAST_OPERAND_LIST = re.compile(_OPERAND_RE.replace("(?:([", "(?:(?:[").replace("%?([", "%?(?:[")
                                 + "(?:," + _OPERAND_RE.replace("(?:([", "(?:(?:[").replace("%?([", "%?(?:[") + ")*")
 
@@ -65,6 +76,8 @@ def parse_module(text: str) -> HloModule:
         else:
             raise TypeError(f"parse_module expects str, got {type(text).__name__}")
     parser = _Parser(text)
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # parsing allocates many long-lived objects; collecting midway only costs time
     try:
         return parser.module()
     except HloParseError:
@@ -72,6 +85,9 @@ def parse_module(text: str) -> HloModule:
     except (RecursionError, ValueError, IndexError, KeyError, TypeError, AttributeError, OverflowError) as e:
         # A parser bug must still surface as the documented error type; "internal error" marks it.
         raise parser.error(f"internal error while parsing: {type(e).__name__}: {e}") from e
+    finally:
+        if gc_was_enabled:
+            gc.enable()
 
 
 def parse_shape(text: str) -> Shape:
@@ -94,6 +110,7 @@ class _Parser:
         self.pending_computation_refs = []  # (instr, attr name, names, position, braced)
         self._line_mark = (0, 1)
         self.computation_names: set[str] = set()
+        self.computations_by_name: dict[str, HloComputation] = {}
 
     # -- low-level scanning --------------------------------------------------------------------------
     def error(self, message: str, pos: int | None = None) -> HloParseError:
@@ -493,6 +510,7 @@ class _Parser:
         pending_preds = []
         prev_end = self.pos
         while True:
+            prev_end = self._fast_lines(comp, symbols, prev_end)
             self.skip()
             if self.peek() == "}":
                 break
@@ -539,11 +557,114 @@ class _Parser:
         if is_entry:
             module.entry = comp
         module.computations.append(comp)
+        self.computations_by_name[name] = comp
         comp._dirty = False
         return comp
 
+    def _fast_lines(self, comp: HloComputation, symbols: dict, prev_end: int) -> int:
+        """Consume a run of ordinary one-line instructions, one regex match each.
+
+        Stops at the first line that needs the general path (nested instructions, constants, new
+        shapes, anything unusual or wrong), which then parses it and reports any error.
+        Returns the end of the last instruction consumed.
+        """
+        text, module = self.text, self.module_
+        names, gaps, instructions = module._names, comp._gaps, comp.instructions
+        shape_cache, attr_cache = _SHAPE_CACHE, _ATTR_CACHE
+        known_computations = self.computations_by_name
+        find_operands, find_attrs = _FAST_OPERAND.findall, _FAST_ATTR_PIECE.findall
+        pos = self.pos
+        line = self.line_of(pos)
+        while True:
+            m = _FAST_LINE.match(text, pos)
+            if m is None:
+                break
+            root, name, shape_text, opcode, ops_text, attrs_text = m.group(2, 4, 5, 6, 7, 8)
+            if attrs_text and attrs_text[0] not in ", \t":
+                break
+            shape = shape_cache.get(shape_text)
+            if (shape is None or name in symbols or opcode == "constant" or opcode not in _FAST_OPCODES
+                    or (root and comp.root is not None)):
+                break
+            operands, parameter_number = [], None
+            if opcode == "parameter":
+                if not ops_text.isdigit():
+                    break
+                parameter_number = int(ops_text)
+            elif ops_text:
+                for op_shape, op_name in find_operands(ops_text):
+                    op = symbols.get(op_name)
+                    if op is None or (op_shape and shape_cache.get(op_shape) is not op.shape):
+                        break
+                    operands.append(op)
+                else:
+                    op = True
+                if op is None or op is not True:
+                    break
+            attrs = {}
+            if attrs_text:
+                pieces = find_attrs(attrs_text)
+                if sum(len(p[0]) for p in pieces) != len(attrs_text):
+                    break  # something the simple attribute form does not cover
+                for _, key, raw in pieces:
+                    if key in attrs or key == "literal" or key == "control-predecessors":
+                        attrs = None
+                        break
+                    if key in COMPUTATION_ATTRS:
+                        callee = known_computations.get(raw.lstrip("%"))
+                        if callee is None:
+                            attrs = None
+                            break
+                        attrs[key] = callee
+                        continue
+                    value = attr_cache.get((key, raw))
+                    if value is None:
+                        try:
+                            value = self._typed_attr(key, raw, m.start(8))
+                        except HloParseError:
+                            attrs = None
+                            break
+                    attrs[key] = value
+                if attrs is None:
+                    break
+            gap_start = m.start()
+            instr_start = m.start(1)
+            line += text.count("\n", gap_start, instr_start)
+            instr = HloInstruction(name, opcode, shape, operands, attrs, parameter_number)
+            instr.line = line
+            for op in operands:
+                users = op.users
+                if instr not in users:
+                    users.append(instr)
+            instr.parent = comp
+            instructions.append(instr)
+            symbols[name] = instr
+            names.add(name)
+            instr._span = (instr_start, m.end())
+            instr._name_start = m.start(3)
+            if root:
+                comp.root = instr
+            gaps[instr] = text[prev_end:instr_start]
+            prev_end = pos = m.end()
+        self._line_mark = (pos, line)
+        self.pos = pos
+        return prev_end
+
     def _signature(self):
         """`(p0: f32[2], p1: s32[]) -> f32[2]` of a computation header."""
+        m = _FAST_SIGNATURE.match(self.text, self.pos)
+        if m is not None:
+            params = []
+            for pname, shape_text in _FAST_PARAM.findall(m.group(1)):
+                shape = _SHAPE_CACHE.get(shape_text)
+                if shape is None:
+                    break
+                params.append((pname, shape))
+            else:
+                result = _SHAPE_CACHE.get(m.group(2))
+                if result is not None and len(params) == m.group(1).count(":"):
+                    self.pos = m.end()
+                    return params, result
         self.expect("(")
         params = []
         if not self.accept(")"):
@@ -614,13 +735,19 @@ class _Parser:
                                                                       opcode, opcode_pos, shape)
         attrs = {}
         comp_refs = []
+        simple = _FAST_ATTRS.match(text, self.pos)
+        pending = _FAST_ATTR.findall(text, self.pos, simple.end()) if simple.end() > self.pos else ()
+        if pending:
+            self.pos = simple.end()
+        pending_index = 0
         while True:
             save = self.pos
-            fm = _FAST_ATTR.match(text, save)
-            if fm is not None and fm.group(1) != "literal":
-                key, raw = fm.group(1), fm.group(2)
-                key_pos, value_pos = fm.start(1), fm.start(2)
-                self.pos = fm.end()
+            if pending_index < len(pending):
+                key, raw = pending[pending_index]
+                pending_index += 1
+                if key == "literal":
+                    raise self.error("a literal attribute needs a shape", save)
+                key_pos = value_pos = None
             else:
                 self.skip()
                 if self.peek() != ",":
@@ -645,17 +772,18 @@ class _Parser:
                     attrs[key] = self._literal_attr()
                     continue
                 raw = self.capture_value()
+            if value_pos is None:  # fast path: find the exact position only to report an error
+                if key in attrs:
+                    raise self.error(f"attribute {key} already exists", self._locate_attr(key, raw, start))
+                try:
+                    self._store_attr(attrs, comp_refs, pending_preds, key, raw, start)
+                except HloParseError:
+                    self._store_attr(attrs, comp_refs, pending_preds, key, raw, self._locate_attr(key, raw, start))
+                    raise
+                continue
             if key in attrs:
                 raise self.error(f"attribute {key} already exists", key_pos)
-            if key in COMPUTATION_ATTRS:
-                names = self._name_list(raw, value_pos)
-                comp_refs.append((key, names, value_pos, raw.startswith("{")))
-                attrs[key] = None
-            elif key == "control-predecessors":
-                attrs[key] = ()
-                pending_preds.append((None, self._name_list(raw, value_pos), value_pos))
-            else:
-                attrs[key] = self._typed_attr(key, raw, value_pos)
+            self._store_attr(attrs, comp_refs, pending_preds, key, raw, value_pos)
         end = self.pos
         if shape is None:
             shape = self._infer_shape(opcode, operands, attrs, literal, opcode_pos)
@@ -686,6 +814,29 @@ class _Parser:
                     raise self.error("one computation should have only one ROOT", start)
                 comp.root = instr
         return instr
+
+    def _store_attr(self, attrs, comp_refs, pending_preds, key: str, raw: str, value_pos: int):
+        if key in COMPUTATION_ATTRS:
+            names = self._name_list(raw, value_pos)
+            braced = raw.startswith("{")
+            known = self.computations_by_name
+            if all(n in known for n in names):  # callees usually come first: resolve now
+                comps = tuple(known[n] for n in names)
+                attrs[key] = comps if braced or len(comps) != 1 else comps[0]
+            else:
+                comp_refs.append((key, names, value_pos, braced))
+                attrs[key] = None
+        elif key == "control-predecessors":
+            names = self._name_list(raw, value_pos)
+            attrs[key] = ()
+            pending_preds.append((None, names, value_pos))
+        else:
+            attrs[key] = self._typed_attr(key, raw, value_pos)
+
+    def _locate_attr(self, key: str, raw: str, start: int) -> int:
+        """Where `key=raw` sits in the instruction that starts at `start` (for error messages)."""
+        i = self.text.find(f"{key}={raw}", start)
+        return i + len(key) + 1 if i >= 0 else start
 
     def _operand_list(self, comp, symbols, pending_preds, depth, opcode, opcode_pos, shape):
         """`(...)` after the opcode: a parameter number, a literal, or operands."""

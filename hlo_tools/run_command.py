@@ -163,6 +163,9 @@ def run(args: argparse.Namespace) -> int:
         t = result.timing()
         print(f"timing: {t['iterations']} iterations: median {_ms(t['median'])}, "
               f"min {_ms(t['min'])}, max {_ms(t['max'])}")
+        if "flops" in result.cost:
+            print(f"cost (XLA's estimate, per device): {result.cost['flops']:.6g} flops, "
+                  f"{result.cost.get('bytes accessed', 0):.6g} bytes accessed")
     if comparison is not None:
         if not comparison.ok:
             sys.stdout.flush()

@@ -485,6 +485,7 @@ class RunResult:
     warnings: list[str] = dataclasses.field(default_factory=list)
     num_processes: int = 1  # processes that ran the module
     local_devices: int = 1  # devices of process 0 that ran it
+    cost: dict = dataclasses.field(default_factory=dict)  # XLA's cost analysis (flops, bytes...)
 
     def timing(self) -> dict[str, float]:
         """Median, min and max execution time in seconds."""
@@ -725,8 +726,13 @@ class _Loaded:
         self.printed = xla_bridge.module_text(self.module)
         header_replicas, header_partitions = _header_counts(
             content if isinstance(content, str) else self.printed)
+        self.param_shardings, self.root_sharding = _entry_shardings(self.printed)
         self.num_replicas = spec.num_replicas or header_replicas or 1
         self.num_partitions = spec.num_partitions or header_partitions or 1
+        if not (spec.num_replicas or spec.num_partitions or header_replicas or header_partitions):
+            # No count anywhere (e.g. JAX's compiler_ir("hlo") text): the shardings tell.
+            self.num_partitions = _sharding_device_count(
+                list(self.param_shardings.values()) + [self.root_sharding])
         _validate_counts(self.num_replicas, self.num_partitions, ref.name)
         self.num_devices = self.num_replicas * self.num_partitions
         if self.num_replicas > 1 and self.num_partitions > 1:
@@ -756,7 +762,6 @@ class _Loaded:
             raise RunError(f"{ref.name}: the result holds a token; token results are not supported")
         self.params = params          # [(dims, dtype)] as written in the module
         self.results = results        # [(dims, dtype)] per result leaf, as written
-        self.param_shardings, self.root_sharding = _entry_shardings(self.printed)
 
     def placements(self, executable=None) -> tuple[list[_Placement], list[_Placement]]:
         """How each parameter and output maps to partitions (partition mode).
@@ -819,6 +824,26 @@ def _describe(text: str, module_name: str, what: str):
         return xla_bridge.describe_sharding(text)
     except xla_bridge.XlaBridgeError as exc:
         raise RunError(f"{module_name}: {what}: {exc}") from exc
+
+
+def _sharding_device_count(texts) -> int:
+    """How many devices the tiled and maximal shardings among ``texts`` name (at least 1)."""
+    from hlo_tools import xla_bridge  # noqa: PLC0415
+
+    count = 1
+    for text in texts:
+        if text is None:
+            continue
+        try:
+            desc = xla_bridge.describe_sharding(text)
+        except xla_bridge.XlaBridgeError:
+            continue
+        for leaf in _flatten_tuple_sharding(desc):
+            if leaf[0] == "tiled":
+                count = max(count, len(leaf[2]))
+            elif leaf[0] == "maximal":
+                count = max(count, leaf[1] + 1)
+    return count
 
 
 def _flatten_tuple_sharding(desc) -> list:
@@ -980,7 +1005,9 @@ def _execute_job(job: _Job, status=lambda _: None, progress_stream=None) -> list
             outputs = _assemble_outputs(m, out_places, pieces, warnings)
             results.append(RunResult(outputs, list(inputs), m.mode, m.num_replicas,
                                      m.num_partitions, m.partitioning, seconds, warnings,
-                                     len(owners), len(executable.local)))
+                                     len(owners), len(executable.local),
+                                     {k: float(v) for k, v in executable.cost_analysis().items()
+                                      if isinstance(v, (int, float))}))
     return results if process_index == 0 else None
 
 
@@ -1091,10 +1118,15 @@ def _atomic_write(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _worker_main(job_path: str) -> int:
-    """Entry point of a child process: run the job in ``job_path``, write the results beside it."""
+def _worker_main(job_path: str) -> None:
+    """Entry point of a child process: run the job in ``job_path``, write the results beside it.
+
+    Exits 0 after writing the results, 3 after writing an error; a crash leaves
+    no result file, and the parent reads the status file and stderr instead.
+    """
     directory = os.path.dirname(job_path)
     status_path = os.path.join(directory, _STATUS_FILE)
+    distributed = False
 
     def status(text: str) -> None:
         _atomic_write(status_path, text)
@@ -1102,6 +1134,7 @@ def _worker_main(job_path: str) -> int:
     try:
         with open(job_path) as f:
             d = json.load(f)
+        distributed = d.get("num_processes", 1) > 1
         progress_stream = None
         if d.get("progress_fd") is not None:
             try:
@@ -1116,6 +1149,11 @@ def _worker_main(job_path: str) -> int:
             _write_results(results, directory)
         else:
             _atomic_write(os.path.join(directory, _RESULT_FILE), json.dumps({"results": []}))
+        if distributed:
+            status("leaving the distributed run")
+            from hlo_tools import xla_bridge  # noqa: PLC0415
+
+            xla_bridge.shutdown_distributed()  # a barrier: only after a success
         status("done")
         code = 0
     except RunError as exc:
@@ -1126,13 +1164,10 @@ def _worker_main(job_path: str) -> int:
                       json.dumps({"error": f"internal error: {type(exc).__name__}: "
                                            f"{_first_line(str(exc))}"}))
         code = 3
-    if d.get("num_processes", 1) > 1 if "d" in locals() else False:
-        from hlo_tools import xla_bridge  # noqa: PLC0415
-
-        xla_bridge.shutdown_distributed()
     sys.stdout.flush()
     sys.stderr.flush()
-    # Skip interpreter teardown: XLA's static destructors have crashed at exit before.
+    # Skip interpreter teardown: nothing is left to clean up, and XLA's static destructors
+    # and a distributed run's background threads only make exiting slow or noisy.
     os._exit(code)
 
 

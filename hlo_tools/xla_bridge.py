@@ -154,7 +154,7 @@ def initialize_distributed(coordinator: str, num_processes: int, process_id: int
         jax.distributed.initialize(
             coordinator_address=coordinator, num_processes=int(num_processes),
             process_id=int(process_id), initialization_timeout=int(timeout_s),
-            heartbeat_timeout_seconds=max(10, int(timeout_s)))
+            heartbeat_timeout_seconds=30)
     except Exception as exc:  # noqa: BLE001 - jax raises several types here
         raise XlaBridgeError(f"could not join the distributed run at {coordinator}: "
                              f"{_xla_message(exc)}") from exc

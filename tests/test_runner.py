@@ -115,18 +115,19 @@ def test_jax_modules_match_jax(program, partitioner):
     try:
         fn, args = getattr(real_programs, program)()
         text = fn.lower(*args).compiler_ir("hlo").as_hlo_text()
-        # JAX's GSPMD-style text of a plain jit carries no partitioner markers: say "spmd".
-        result = runner.run_module(text, num_partitions=8, partition_mode="spmd")
+        # compiler_ir("hlo") has no num_partitions=: the count comes from the shardings.  JAX's
+        # GSPMD-style text of a plain jit carries no partitioner markers: say "spmd" for it.
+        result = runner.run_module(text, partition_mode="auto" if partitioner == "shardy" else "spmd")
         leaves, tree = jax.tree.flatten(args)
         placed = [jax.device_put(x, a.sharding) for x, a in zip(result.inputs, leaves)]
         expected = [np.asarray(o) for o in jax.tree.leaves(fn(*jax.tree.unflatten(tree, placed)))]
     finally:
         jax.config.update("jax_use_shardy_partitioner", previous)
-    assert result.mode == "partition" and result.partitioning == "spmd"
+    assert (result.mode, result.partitioning, result.num_partitions) == ("partition", "spmd", 8)
     comparison = runner.compare_outputs(result.outputs, expected, 1e-6, 1e-6)
     assert comparison.ok, comparison.format()
-    if partitioner == "shardy":  # Shardy markers make "auto" pick spmd by itself
-        assert runner.partitioner_for(text) == "shardy"
+    assert runner.partitioner_for(text) == ("shardy" if partitioner == "shardy" else
+                                            "gspmd" if "shard_map" in program else None)
 
 
 def test_per_device_module_matches_numpy():
