@@ -212,7 +212,6 @@ class HloComputation:
         self._span = None            # (start, end) of the whole computation's source text
         self._head_span = None       # (start, end) of `ENTRY name (sig) -> shape {`, None when stale
         self._tail_span = None       # (start, end) of `}` and any trailing attributes
-        self._signature_text = True  # whether the source spelled a `(params) -> shape` signature
         self._gaps = {}              # instruction -> source text between it and its predecessor
 
     # -- reading ----------------------------------------------------------------------------------
@@ -277,8 +276,13 @@ class HloComputation:
     def _signature_changed(self):
         self._head_span = None
         self._dirty = True
-        if self.parent is not None and self.is_entry:
-            self.parent._header_stale = True
+        module = self.parent
+        if module is not None and self.is_entry:
+            module._header_stale = True
+            if "entry_computation_layout" in module.attrs and self.root is not None:
+                from .attributes import Raw
+                from .printer import entry_computation_layout
+                module.attrs["entry_computation_layout"] = Raw(entry_computation_layout(self))
 
     def add_instruction(self, opcode: str, operands: Iterable[HloInstruction] = (), shape: Shape | None = None,
                         *, name: str | None = None, attrs: dict | None = None, before: HloInstruction | None = None,
@@ -305,9 +309,11 @@ class HloComputation:
         return instr
 
     def add_parameter(self, shape: Shape, name: str | None = None) -> HloInstruction:
-        """Append a parameter with the next parameter number."""
-        return self.add_instruction("parameter", (), shape, name=name or f"param_{self.num_parameters}",
-                                    parameter_number=self.num_parameters)
+        """Add a parameter with the next parameter number, placed after the existing parameters."""
+        params = self.parameters
+        anchor = {"after": params[-1]} if params else ({"before": self.instructions[0]} if self.instructions else {})
+        return self.add_instruction("parameter", (), shape, name=name or f"param_{len(params)}",
+                                    parameter_number=len(params), **anchor)
 
     def _insert(self, instr: HloInstruction, before=None, after=None):
         instr.parent = self
@@ -390,8 +396,12 @@ class HloModule:
         self.computations: list[HloComputation] = []
         self.entry: HloComputation | None = None
         self.stack_frames = None               # the FileNames/.../StackFrames tables, when present
+        self.stack_frames_text = ""            # ... and their source text
+        # How regenerated text is spelled; the parser sets these from the source (JAX's short form
+        # has none of them, XLA's and TF's long form all three).
         self.sigils = True                     # names printed with `%`
-        self.operand_shapes = True             # operands printed with their shapes (long form)
+        self.operand_shapes = True             # operands printed with their shapes
+        self.signatures = True                 # computations printed with `(params) -> shape`
         self._names: set[str] = set()
         self._source = None
         self._header_span = None

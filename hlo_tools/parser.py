@@ -111,6 +111,7 @@ class _Parser:
         self._line_mark = (0, 1)
         self.computation_names: set[str] = set()
         self.computations_by_name: dict[str, HloComputation] = {}
+        self.saw = {"sigil": False, "operand_shape": False, "operands": False, "signature": False}
 
     # -- low-level scanning --------------------------------------------------------------------------
     def error(self, message: str, pos: int | None = None) -> HloParseError:
@@ -193,6 +194,8 @@ class _Parser:
                 if stack.pop() != _CLOSE[c]:
                     raise self.error(f"unbalanced '{c}' in attribute value", i)
                 i += 1
+                if not stack and c == "}" and text[self.pos] == "{":
+                    break  # a braced value ends with its closing brace
             elif stack:
                 m = _INNER_CHUNK.match(text, i)
                 i = m.end() if m else i + 1
@@ -381,12 +384,16 @@ class _Parser:
             if key in module.attrs:
                 raise self.error(f"attribute {key} already exists", key_pos)
             module.attrs[key] = self._module_attr(key, raw, value_pos)
+        header_end = self.pos
         self.skip()
-        if self.keyword_ahead(_STACK_TABLES[0]) or any(self.keyword_ahead(t) for t in _STACK_TABLES):
+        if any(self.keyword_ahead(t) for t in _STACK_TABLES):
             tables_start = self.pos
             module.stack_frames = self._stack_frames()
-            module.stack_frames_text = self.text[tables_start:self.pos]
-        module._header_span = (header_start, self.pos)
+            header_end = self.pos
+            module.stack_frames_text = self.text[tables_start:header_end].rstrip()
+            header_end = tables_start + len(module.stack_frames_text)
+        self.pos = header_end
+        module._header_span = (header_start, header_end)
         module._leading = self.text[:header_start]
         prev_end = self.pos
         entry_seen = False
@@ -410,6 +417,10 @@ class _Parser:
             module.entry.is_entry = True
             module.entry_implicit = True
         self._resolve_computation_refs(module)
+        saw = self.saw
+        module.sigils = saw["sigil"]
+        module.operand_shapes = saw["operand_shape"] if saw["operands"] else saw["sigil"]
+        module.signatures = saw["signature"]
         return module
 
     def _module_attr(self, key: str, raw: str, pos: int):
@@ -501,9 +512,7 @@ class _Parser:
         signature = None
         if self.peek() == "(":
             signature = self._signature()
-            comp._signature_text = True
-        else:
-            comp._signature_text = False
+            self.saw["signature"] = True
         self.expect("{", "to start the computation")
         comp._head_span = (start, self.pos)
         symbols: dict[str, HloInstruction] = {}
@@ -572,6 +581,7 @@ class _Parser:
         names, gaps, instructions = module._names, comp._gaps, comp.instructions
         shape_cache, attr_cache = _SHAPE_CACHE, _ATTR_CACHE
         known_computations = self.computations_by_name
+        saw = self.saw
         find_operands, find_attrs = _FAST_OPERAND.findall, _FAST_ATTR_PIECE.findall
         pos = self.pos
         line = self.line_of(pos)
@@ -592,6 +602,9 @@ class _Parser:
                     break
                 parameter_number = int(ops_text)
             elif ops_text:
+                if not saw["operands"]:
+                    saw["operands"] = True
+                    saw["operand_shape"] = bool(find_operands(ops_text)[0][0])
                 for op_shape, op_name in find_operands(ops_text):
                     op = symbols.get(op_name)
                     if op is None or (op_shape and shape_cache.get(op_shape) is not op.shape):
@@ -642,6 +655,8 @@ class _Parser:
             names.add(name)
             instr._span = (instr_start, m.end())
             instr._name_start = m.start(3)
+            if text[instr._name_start] == "%":
+                saw["sigil"] = True
             if root:
                 comp.root = instr
             gaps[instr] = text[prev_end:instr_start]
@@ -809,6 +824,8 @@ class _Parser:
         if anonymous_opcode is None:
             instr._span = (start, end)
             instr._name_start = name_start
+            if text[name_start] == "%":
+                self.saw["sigil"] = True
             if is_root:
                 if comp.root is not None:
                     raise self.error("one computation should have only one ROOT", start)
@@ -875,6 +892,13 @@ class _Parser:
 
     def _fast_head(self, symbols):
         """The common one-line instruction head, matched by one regex; None means: use the general path."""
+        save = self.pos
+        head = self._match_fast_head(symbols)
+        if head is None:
+            self.pos = save
+        return head
+
+    def _match_fast_head(self, symbols):
         m = _FAST_HEAD.match(self.text, self.pos)
         if m is None:
             return None
@@ -883,11 +907,9 @@ class _Parser:
             return None
         shape = _SHAPE_CACHE.get(m.group(4))
         if shape is None:
-            save = self.pos
             self.pos = m.start(4)
             shape = self.shape()
             if self.pos != m.end(4):
-                self.pos = save
                 return None
         ops_text = m.group(6)
         operands, parameter_number = [], None
@@ -929,6 +951,9 @@ class _Parser:
             return self.instruction(comp, symbols, pending_preds, depth + 1, anonymous_opcode=ident,
                                     shape=shape, start=start)
         self.pos = m.end()
+        if not self.saw["operands"]:
+            self.saw["operands"] = True
+            self.saw["operand_shape"] = shape is not None
         found = symbols.get(ident)
         if found is None:
             raise self.error(f"instruction '{ident}' is not defined", m.start())

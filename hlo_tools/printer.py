@@ -43,7 +43,7 @@ class _Style:
         self.operand_shapes = module.operand_shapes
         self.regenerate = regenerate
         self.source = module._source
-        self.signatures = any(c._signature_text for c in module.computations) or module._source is None
+        self.signatures = module.signatures
 
 
 def print_computation(comp: HloComputation, style: _Style) -> str:
@@ -96,12 +96,10 @@ def _computation_head(comp: HloComputation, style: _Style) -> str:
 def _module_header(module: HloModule, style: _Style) -> str:
     parts = [f"HloModule {module.name}"]
     for key, value in module.attrs.items():
-        if key == "entry_computation_layout" and module._header_stale and module.entry is not None:
-            value = entry_computation_layout(module.entry)
         parts.append(f"{key}={format_value(key, value)}")
     header = ", ".join(parts)
     if module.stack_frames is not None:
-        header += "\n\n" + getattr(module, "stack_frames_text", "").rstrip()
+        header += "\n\n" + module.stack_frames_text
     return header
 
 

@@ -36,12 +36,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "replica_count, else 1)")
     p.add_argument("--num_partitions", type=int, metavar="N",
                    help="run as a partitioned program on N devices (default: the module's "
-                        "num_partitions, else 1)")
+                        "num_partitions, else the devices its entry shardings name, else 1)")
     p.add_argument("--partition_mode", choices=runner.PARTITION_MODES, default="auto",
                    help="spmd: XLA partitions the module (JAX/GSPMD/Shardy dumps); per_device: "
                         "the module is already partitioned and its sharding= attributes say how "
-                        "global arrays map to devices; auto (default): spmd for modules with "
-                        "Shardy/GSPMD/JAX sharding markers, else per_device")
+                        "global arrays map to devices; auto (default): spmd for modules whose "
+                        "instructions carry Shardy or GSPMD partitioner markers, else per_device")
     p.add_argument("--inputs", metavar="FILE.npz",
                    help="input arrays arg0..argK: global arrays in partition mode, a leading "
                         "axis of size N in replica mode (default: seeded random integers)")
@@ -105,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
     if args.coordinator is not None and args.process_id is None:
         raise cli.CommandError("--coordinator needs --process_id (without them, --num_processes "
                                "starts every process itself)")
+    if args.timeout is not None and args.in_process and args.num_processes == 1:
+        raise cli.CommandError("--timeout needs a child process: drop --in_process")
     for flag in ("output", "save_inputs"):
         path = getattr(args, flag)
         if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):

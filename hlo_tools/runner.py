@@ -51,7 +51,6 @@ import dataclasses
 import io
 import ipaddress
 import json
-import math
 import os
 import pathlib
 import re
@@ -120,9 +119,12 @@ class ModuleRef:
     proto: bytes | None = None
     path: str | None = None
     input_format: str | None = None  # "hlo" or "pb"; for files, default from the extension
+    display: str | None = None       # the name in messages, when not the path
 
     @property
     def name(self) -> str:
+        if self.display is not None:
+            return self.display
         return self.path if self.path is not None else "<module>"
 
     @classmethod
@@ -974,9 +976,12 @@ def _execute_job(job: _Job, status=lambda _: None, progress_stream=None) -> list
         note = (", a module XLA already optimized (is_scheduled=true; run the module from "
                 "before optimization)") if optimized else ""
         status(f"compiling {name}{note}")
-        partitioner = {"none": "none", "per_device": "prepartitioned"}.get(m.partitioning)
-        if partitioner is None:
+        if m.partitioning == "per_device":
+            partitioner = "prepartitioned"
+        elif m.partitioning == "spmd":
             partitioner = partitioner_for(m.printed) or "gspmd"
+        else:  # like JAX: a module with sharding markers goes through its partitioner
+            partitioner = partitioner_for(m.printed) or "none"
         try:
             executable = xla_bridge.compile_module(
                 m.module, job.platform, run_devices, process_index,
@@ -1046,25 +1051,13 @@ def _job_to_dir(job: _Job, directory: str) -> dict:
 def _job_from_dict(d: dict) -> _Job:
     runs = []
     for entry in d["runs"]:
-        ref = ModuleRef(path=entry["path"], input_format=entry["input_format"])
-        ref_name = entry["name"]
-        runs.append(_RunSpec(_NamedRef(ref, ref_name), entry["num_replicas"],
-                             entry["num_partitions"], entry["partition_mode"]))
+        ref = ModuleRef(path=entry["path"], input_format=entry["input_format"],
+                        display=entry["name"])
+        runs.append(_RunSpec(ref, entry["num_replicas"], entry["num_partitions"],
+                             entry["partition_mode"]))
     inputs = load_inputs(d["inputs"]) if d.get("inputs") else None
     return _Job(runs, inputs, d["seed"], d["iterations"], d["platform"], d["progress"],
                 d.get("coordinator"), d.get("num_processes", 1), d.get("process_id", 0))
-
-
-class _NamedRef(ModuleRef):
-    """A ModuleRef read from one file but named after another in messages."""
-
-    def __init__(self, ref: ModuleRef, display: str):
-        super().__init__(text=ref.text, proto=ref.proto, path=ref.path, input_format=ref.input_format)
-        self._display = display
-
-    @property
-    def name(self) -> str:
-        return self._display
 
 
 def _write_results(results: list[RunResult], directory: str) -> None:
@@ -1079,6 +1072,7 @@ def _write_results(results: list[RunResult], directory: str) -> None:
         fields.pop("outputs")
         fields.pop("inputs")
         fields["dtypes"] = [a.dtype.name for a in r.outputs]
+        fields["input_dtypes"] = [a.dtype.name for a in r.inputs]
         meta.append(fields)
     _atomic_write(os.path.join(directory, _RESULT_FILE), json.dumps({"results": meta}))
 
@@ -1092,11 +1086,14 @@ def _read_results(directory: str) -> list[RunResult]:
         return []  # a process other than 0 of a multi-process run
     import ml_dtypes  # noqa: PLC0415 - restores bf16/fp8 dtypes that .npz keeps as raw bytes
 
+    input_dtypes = payload["results"][0]["input_dtypes"]
     with np.load(os.path.join(directory, "used_inputs.npz")) as data:
-        inputs = [data[f"arg{j}"] for j in range(len(data.files))]
+        inputs = [_restore_dtype(data[f"arg{j}"], input_dtypes[j], ml_dtypes)
+                  for j in range(len(data.files))]
     results = []
     for i, fields in enumerate(payload["results"]):
         dtypes = fields.pop("dtypes")
+        fields.pop("input_dtypes")
         with np.load(os.path.join(directory, f"outputs{i}.npz")) as data:
             outputs = [_restore_dtype(data[f"out{j}"], dtypes[j], ml_dtypes)
                        for j in range(len(data.files))]
@@ -1205,7 +1202,7 @@ def _crash_message(returncode: int, stderr: str, phase: str) -> str:
     return f"XLA crashed{where} ({how})" + (f": {detail}" if detail else "")
 
 
-def _child_env(local_devices: int | None = None) -> dict:
+def _child_env() -> dict:
     env = dict(os.environ)
     package_root = str(pathlib.Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
@@ -1213,7 +1210,7 @@ def _child_env(local_devices: int | None = None) -> dict:
     return env
 
 
-def _spawn(job_dict: dict, directory: str, progress_fd: int | None, tag: str = ""):
+def _spawn(job_dict: dict, directory: str, progress_fd: int | None):
     job_path = os.path.join(directory, "job.json")
     d = dict(job_dict)
     d["progress_fd"] = progress_fd
@@ -1259,9 +1256,11 @@ def _progress_fd(progress: bool) -> int | None:
         return None
 
 
-def _run_isolated(job: _Job, timeout: float | None) -> list[RunResult]:
+def _run_isolated(job: _Job, timeout: float | None, **distributed) -> list[RunResult]:
+    """Run ``job`` in a child process (``distributed``: its place in a multi-process run)."""
     with tempfile.TemporaryDirectory(prefix="hlo-tools-run-") as directory:
         job_dict = _job_to_dir(job, directory)
+        job_dict.update(distributed)
         fd = _progress_fd(job.progress)
         try:
             proc = _spawn(job_dict, directory, fd)
@@ -1274,7 +1273,7 @@ def _run_isolated(job: _Job, timeout: float | None) -> list[RunResult]:
             proc.kill()
             proc.wait()
             raise RunError(f"the run took longer than {timeout:g} s and was stopped") from None
-        except KeyboardInterrupt:
+        except BaseException:
             proc.kill()
             proc.wait()
             raise
@@ -1388,28 +1387,18 @@ def _make_job(modules, inputs, seed, iterations, platform, progress,
 
 
 def _run_job(job: _Job, isolate: bool, timeout, process_id, num_processes) -> list[RunResult] | None:
+    if timeout is not None and not timeout > 0:
+        raise RunError(f"timeout must be a positive number of seconds, not {timeout}")
+    if timeout is not None and not isolate and num_processes == 1:
+        raise RunError("a timeout needs a child process: run isolated")
     if num_processes > 1 and process_id is None:
         return _run_processes(job, timeout)
     if num_processes > 1:
-        # One process of a run started by hand: always in a child (jax.distributed is per process).
-        with tempfile.TemporaryDirectory(prefix="hlo-tools-run-") as directory:
-            job_dict = _job_to_dir(job, directory)
-            job_dict.update(coordinator=job.coordinator, num_processes=num_processes,
-                            process_id=process_id)
-            fd = _progress_fd(job.progress)
-            try:
-                proc = _spawn(job_dict, directory, fd)
-            finally:
-                if fd is not None:
-                    os.close(fd)
-            try:
-                proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-                raise RunError(f"the run took longer than {timeout:g} s and was stopped") from None
-            results = _collect(proc, directory)
-            return results if process_id == 0 else None
+        # One process of a run started by hand: always in a child, since jax.distributed
+        # holds the process for good.
+        results = _run_isolated(job, timeout, coordinator=job.coordinator,
+                                num_processes=num_processes, process_id=process_id)
+        return results if process_id == 0 else None
     if isolate:
         return _run_isolated(job, timeout)
     return _execute_job(job, progress_stream=sys.stderr if job.progress else None)

@@ -100,7 +100,8 @@ def same_meaning(text_a: str, text_b: str) -> bool:
 #
 # Compile options that work on jaxlib 0.10.2 (see docs/run.md):
 #   * replica programs: num_replicas=N, num_partitions=1, a N x 1 device
-#     assignment, use_spmd_partitioning=False;
+#     assignment, use_spmd_partitioning=False (True, as JAX does, when the
+#     module carries Shardy/GSPMD markers);
 #   * modules still to be partitioned (JAX/GSPMD/Shardy dumps before
 #     optimization): num_partitions=N, a 1 x N device assignment,
 #     use_spmd_partitioning=True, use_shardy_partitioner=True exactly when the

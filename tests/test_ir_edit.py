@@ -1,0 +1,156 @@
+"""The editing API keeps use-def lists consistent, and printing after an edit keeps untouched
+text verbatim while XLA reads the edited module with the intended meaning."""
+import pytest
+
+import hlo_tools
+from hlo_tools import Shape, xla_bridge
+
+SHORT = """HloModule step, entry_computation_layout={(f32[8]{0}, f32[8]{0})->f32[8]{0}}
+
+add {
+  x = f32[] parameter(0)
+  y = f32[] parameter(1)
+  ROOT sum = f32[] add(x, y)
+}
+
+ENTRY main {
+  p0 = f32[8]{0} parameter(0)
+  p1 = f32[8]{0} parameter(1)
+  // the gradient
+  mul = f32[8]{0} multiply(p0, p1)
+  ar = f32[8]{0} all-reduce(mul), replica_groups={{0,1,2,3}}, to_apply=add
+  ROOT out = f32[8]{0} add(ar, p0)
+}
+"""
+
+LONG = """HloModule long, entry_computation_layout={(f32[4]{0})->f32[4]{0}}
+
+ENTRY %main (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  %neg = f32[4]{0} negate(f32[4]{0} %p)
+  ROOT %abs = f32[4]{0} abs(f32[4]{0} %neg)
+}
+"""
+
+
+def test_use_lists_follow_edits():
+    m = hlo_tools.parse_module(SHORT)
+    entry = m.entry
+    p0, mul, ar, out = (entry.get(n) for n in ("p0", "mul", "ar", "out"))
+    assert p0.users == [mul, out] and ar.operands == (mul,)
+    two = entry.add_instruction("constant", (), Shape.array("f32", ()), literal=hlo_tools.Literal.parse(
+        Shape.array("f32", ()), "2"))
+    bcast = entry.add_instruction("broadcast", [two], Shape.array("f32", (8,)), attrs={"dimensions": ()})
+    scaled = entry.add_instruction("multiply", [mul, bcast], before=ar)  # shape inferred
+    assert scaled.shape.dims == (8,) and scaled.shape.dtype == "f32"
+    mul.replace_all_uses_with(scaled)
+    assert ar.operands == (scaled,) and mul.users == [scaled]
+    assert scaled.users == [ar]
+    entry.sort_topologically()
+    hlo_tools.verify(m)
+    names = [i.name for i in entry.instructions]
+    assert names.index("bcast" if "bcast" in names else bcast.name) < names.index(scaled.name)
+
+
+def test_replace_all_uses_moves_the_root():
+    m = hlo_tools.parse_module(SHORT)
+    entry = m.entry
+    out = entry.root
+    neg = entry.add_instruction("negate", [out])
+    out.replace_all_uses_with(neg)
+    assert entry.root is neg and neg.operands == (out,)  # the new user keeps its operand
+    hlo_tools.verify(m)
+
+
+def test_remove_dead_code_and_refusals():
+    m = hlo_tools.parse_module(SHORT)
+    entry = m.entry
+    dead = entry.add_instruction("negate", [entry.get("p1")])
+    entry.add_instruction("abs", [dead])
+    with pytest.raises(ValueError, match="used by"):
+        entry.remove_instruction(dead)
+    with pytest.raises(ValueError, match="root"):
+        entry.remove_instruction(entry.root)
+    assert entry.remove_dead_code()
+    assert dead.parent is None and dead not in entry.get("p1").users
+    assert not entry.remove_dead_code()
+    hlo_tools.verify(m)
+
+
+def test_unique_names_and_rename():
+    m = hlo_tools.parse_module(SHORT)
+    a = m.entry.add_instruction("negate", [m.entry.get("p0")], name="mul")
+    assert a.name == "mul.1"
+    m.entry.get("p0").rename("input")
+    text = m.to_text()
+    assert "input = f32[8]{0} parameter(0)" in text and "multiply(input, p1)" in text
+    assert xla_bridge.same_meaning(text, text)  # XLA accepts the renamed module
+
+
+def test_print_after_edit_keeps_untouched_text():
+    m = hlo_tools.parse_module(SHORT)
+    entry = m.entry
+    ar = entry.get("ar")
+    ar.attrs["replica_groups"] = hlo_tools.ReplicaGroups.of([[0, 1], [2, 3]])
+    text = m.to_text()
+    original_lines = SHORT.splitlines()
+    printed_lines = text.splitlines()
+    changed = [(a, b) for a, b in zip(original_lines, printed_lines) if a != b]
+    assert changed == [(
+        "  ar = f32[8]{0} all-reduce(mul), replica_groups={{0,1,2,3}}, to_apply=add",
+        "  ar = f32[8]{0} all-reduce(mul), replica_groups={{0,1},{2,3}}, to_apply=add")]
+    assert "// the gradient" in text
+    expected = SHORT.replace("{{0,1,2,3}}", "{{0,1},{2,3}}")
+    assert xla_bridge.same_meaning(text, expected)
+
+
+def test_new_instruction_follows_long_style():
+    m = hlo_tools.parse_module(LONG)
+    entry = m.entry
+    neg = entry.get("neg")
+    exp = entry.add_instruction("exponential", [neg], after=neg)
+    entry.root.set_operand(0, exp)
+    text = m.to_text()
+    assert "  %exponential = f32[4]{0} exponential(f32[4]{0} %neg)\n" in text
+    assert "ROOT %abs = f32[4]{0} abs(f32[4]{0} %exponential)" in text
+    assert "  %neg = f32[4]{0} negate(f32[4]{0} %p)\n" in text  # untouched line, verbatim
+    assert xla_bridge.same_meaning(text, LONG.replace(
+        "ROOT %abs = f32[4]{0} abs(f32[4]{0} %neg)",
+        "%e = f32[4]{0} exponential(f32[4]{0} %neg)\n  ROOT %abs = f32[4]{0} abs(f32[4]{0} %e)"))
+
+
+def test_parameter_edits_regenerate_signature_and_layout():
+    m = hlo_tools.parse_module(LONG)
+    entry = m.entry
+    q = entry.add_parameter(Shape.array("f32", (4,), layout=(0,)), name="q")
+    entry.root.set_operand(0, entry.add_instruction("add", [entry.get("neg"), q], before=entry.root))
+    text = m.to_text()
+    assert "ENTRY %main (p: f32[4], q: f32[4]) -> f32[4] {" in text
+    assert "entry_computation_layout={(f32[4]{0}, f32[4]{0})->f32[4]{0}}" in text
+    hlo_tools.verify(hlo_tools.parse_module(text))
+    xla_bridge.canonical_text(text)  # XLA accepts it
+
+
+def test_clone_computation_is_deep_and_independent():
+    m = hlo_tools.parse_module(SHORT)
+    add = m.computation("add")
+    clone = m.clone_computation(add, suffix="copy")
+    assert clone.name == "add.copy" and clone is not add
+    assert [i.opcode for i in clone.instructions] == [i.opcode for i in add.instructions]
+    assert not set(map(id, clone.instructions)) & set(map(id, add.instructions))
+    assert all(op.parent is clone for i in clone.instructions for op in i.operands)
+    m.entry.get("ar").attrs["to_apply"] = clone
+    assert m.remove_dead_computations()
+    assert [c.name for c in m.computations] == ["add.copy", "main"]
+    text = m.to_text()
+    hlo_tools.verify(hlo_tools.parse_module(text))
+    assert xla_bridge.same_meaning(text, SHORT.replace("add {", "add.copy {").replace("=add", "=add.copy"))
+
+
+def test_post_orders():
+    m = hlo_tools.parse_module(SHORT)
+    order = m.entry.post_order()
+    for i, instr in enumerate(order):
+        assert all(order.index(op) < i for op in instr.operands)
+    assert [c.name for c in m.computations_post_order()] == ["add", "main"]
+    assert m.callers()[m.computation("add")] == [m.entry.get("ar")]
