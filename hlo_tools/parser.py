@@ -33,6 +33,7 @@ _INNER_CHUNK = re.compile(r'[^(){}\[\]"]+')
 _ARRAY_SHAPE = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
 _LAYOUT_SIMPLE = re.compile(r"\{\s*(\d+(?:\s*,\s*\d+)*)?\s*\}")
 _COMMENT = re.compile(r"/\*.*?\*/", re.S)
+_SPACE = re.compile(r"\s*")
 _UNCOMMENTED_ATTRS = frozenset({"metadata", "frontend_attributes", "backend_config"}) | A.QUOTED_ATTRS
 _CLOSE = {")": "(", "]": "[", "}": "{"}
 _FAST_OPCODES = frozenset(OPCODES)
@@ -1106,12 +1107,28 @@ def _check_shape_index(text: str, pos: int) -> int:
     return end + 1
 
 
+def _check_parameter_and_index(raw: str, i: int, what: str) -> int:
+    """`(N, {i,j}` inside alias/donor lists; returns the position after it and any space."""
+    ws = _SPACE
+    if not raw.startswith("(", i):
+        raise A.AttrError(f"Expects '(' at the start of {what}", i)
+    i = ws.match(raw, i + 1).end()
+    m = _INT.match(raw, i)
+    if not m:
+        raise A.AttrError("expects integer", i)
+    i = ws.match(raw, m.end()).end()
+    if not raw.startswith(",", i):
+        raise A.AttrError("Expects ',' after the parameter number", i)
+    i = _check_shape_index(raw, ws.match(raw, i + 1).end())
+    return ws.match(raw, i).end()
+
+
 def _check_alias(raw: str):
     """`input_output_alias={ {0}: (0, {}, may-alias), {1}: (1, {1}) }`."""
     if not (raw.startswith("{") and raw.endswith("}")):
         raise A.AttrError("expects '{' at the start of input_output_alias")
     i, n = 1, len(raw) - 1
-    ws = re.compile(r"\s*")
+    ws = _SPACE
     while True:
         i = ws.match(raw, i).end()
         if i >= n:
@@ -1120,19 +1137,7 @@ def _check_alias(raw: str):
         i = ws.match(raw, i).end()
         if not raw.startswith(":", i):
             raise A.AttrError("Expects ':' after the output ShapeIndex", i)
-        i = ws.match(raw, i + 1).end()
-        if not raw.startswith("(", i):
-            raise A.AttrError("Expects '(' at the start of aliasing description", i)
-        i = ws.match(raw, i + 1).end()
-        m = _INT.match(raw, i)
-        if not m:
-            raise A.AttrError("expects integer", i)
-        i = ws.match(raw, m.end()).end()
-        if not raw.startswith(",", i):
-            raise A.AttrError("Expects ',' after the parameter number", i)
-        i = ws.match(raw, i + 1).end()
-        i = _check_shape_index(raw, i)
-        i = ws.match(raw, i).end()
+        i = _check_parameter_and_index(raw, ws.match(raw, i + 1).end(), "aliasing description")
         if raw.startswith(",", i):
             i = ws.match(raw, i + 1).end()
             m = re.compile(r"(may-alias|must-alias)").match(raw, i)
@@ -1150,23 +1155,13 @@ def _check_buffer_donor(raw: str):
     """`buffer_donor={ (0, {}), (1, {0}) }`."""
     if not (raw.startswith("{") and raw.endswith("}")):
         raise A.AttrError("expects '{' at the start of buffer_donor")
-    ws = re.compile(r"\s*")
+    ws = _SPACE
     i, n = 1, len(raw) - 1
     while True:
         i = ws.match(raw, i).end()
         if i >= n:
             return
-        if not raw.startswith("(", i):
-            raise A.AttrError("Expects '(' at the start of buffer donor description", i)
-        i = ws.match(raw, i + 1).end()
-        m = _INT.match(raw, i)
-        if not m:
-            raise A.AttrError("expects integer", i)
-        i = ws.match(raw, m.end()).end()
-        if not raw.startswith(",", i):
-            raise A.AttrError("Expects ',' after the parameter number", i)
-        i = _check_shape_index(raw, ws.match(raw, i + 1).end())
-        i = ws.match(raw, i).end()
+        i = _check_parameter_and_index(raw, i, "buffer donor description")
         if not raw.startswith(")", i):
             raise A.AttrError("Expects ')' at the end of buffer donor description", i)
         i = ws.match(raw, i + 1).end()
