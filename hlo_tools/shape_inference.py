@@ -1452,9 +1452,10 @@ def _collective_permute(opcode, shapes, attrs, _et):
         output = _same_or_tuple(shapes, opcode)
     if opcode == "collective-permute":
         return output
-    inputs = shapes[0] if len(shapes) in (1, 4) else Shape.tuple(shapes)
-    u32 = Shape("u32")
-    return Shape.tuple([inputs, output, u32, u32])
+    if len(shapes) == 1 or "slice_sizes" in attrs:
+        u32 = Shape("u32")  # the context XLA gives a single or in-place permute
+        return Shape.tuple([shapes[0], output, u32, u32])
+    return Shape.tuple([Shape.tuple(shapes), output])
 
 
 def _tuple_element(index: int):
