@@ -1,7 +1,7 @@
 """XLA's opcodes and the facts about them that the parser, verifier and passes share."""
 
 UNARY_ELEMENTWISE = frozenset({
-    "abs", "cbrt", "ceil", "clz", "copy", "cosine", "erf", "exponential", "exponential-minus-one",
+    "abs", "cbrt", "ceil", "count-leading-zeros", "copy", "cosine", "erf", "exponential", "exponential-minus-one",
     "floor", "imag", "is-finite", "log", "log-plus-one", "logistic", "negate", "not", "popcnt", "real",
     "round-nearest-afz", "round-nearest-even", "rsqrt", "sign", "sine", "sqrt", "tan", "tanh",
     "convert", "bitcast-convert", "reduce-precision",

@@ -164,7 +164,9 @@ def _finalize(shape: Shape) -> Shape:
     if not shape.is_array:
         return shape
     if not shape.dims:
-        return shape if shape.layout is None else Shape(shape.dtype, (), None, None)
+        if shape.layout is None or shape.layout.extra:  # e.g. u32[]{:S(2)} keeps its memory space
+            return shape
+        return Shape(shape.dtype, (), None, None)
     return default_layout(shape)
 
 

@@ -28,7 +28,7 @@ from .errors import HloVerifyError
 from .opcodes import OPCODES, async_wrapped_opcode
 from .shape import FLOAT_DTYPES, INTEGRAL_DTYPES, UNBOUNDED, Shape
 from .shape_inference import (ShapeInferenceError, attr_bool, attr_int, attr_ints, compatible, default_layout,
-                              infer_shape, program_shape, verify_reducer)
+                              infer_shape, program_shape)
 
 # ----------------------------------------------------------------------------------------------------
 # What XLA's parser accepts per opcode (CreateInstruction in xla/hlo/parser/hlo_parser.cc)
@@ -145,6 +145,7 @@ _RNG_ALGORITHMS = {"rng_default", "rng_three_fry", "rng_philox"}
 _PRECISIONS = {"default", "high", "highest", "packed_nibble"}
 _ASYNC_GENERIC = frozenset({"async-start", "async-update", "async-done"})
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
+_KNOWN_OPCODES = OPCODES | {"count-leading-zeros"}  # XLA's name for what opcodes.py calls clz
 
 # Opcodes whose operands may mix floating-point precisions (CheckMixedPrecisionOperands).
 _MIXED_PRECISION_OK = frozenset({
@@ -242,7 +243,7 @@ class _Verifier:
             if instr.name in names:
                 self.fail(instr, f"instruction '{instr.name}' already exists in computation {comp.name}")
             names[instr.name] = instr
-            if instr.opcode not in OPCODES and async_wrapped_opcode(instr.opcode) is None:
+            if instr.opcode not in _KNOWN_OPCODES and async_wrapped_opcode(instr.opcode) is None:
                 self.fail(instr, f"unknown opcode: {instr.opcode}")
             if instr.opcode == "parameter":
                 n = instr.parameter_number
@@ -300,7 +301,8 @@ class _Verifier:
                                              f"is not in the module")
                         if callee is comp or self.comp_position[callee] > here:
                             self.fail(instr, f"computation does not exist: {callee.name} (a computation must be "
-                                             f"defined before the computations that call it)")
+                                             f"defined before the computations that call it; reorder "
+                                             f"module.computations, e.g. as module.computations_post_order())")
                         self.callers.setdefault(callee, []).append(instr)
 
     # -- 2. what XLA's parser refuses -----------------------------------------------------------------------
@@ -1283,6 +1285,17 @@ class _Verifier:
         comp = _single(instr.attrs.get("to_apply"))
         if comp is None:
             self.fail(instr, "scan needs a to_apply computation")
+        carries = attr_int(instr.attrs, "num_carries", 0) or 0
+        inputs = instr.operands[:len(instr.operands) - carries]
+        if carries < 0 or carries > len(instr.operands):
+            self.fail(instr, f"scan has {len(instr.operands)} operands but num_carries={carries}")
+        dims = attr_ints(instr.attrs, "dimensions") or ()
+        if len(dims) != 1:
+            self.fail(instr, "scan expects exactly one dimension in dimensions")
+        for op in inputs:
+            if not op.shape.is_array or not 0 <= dims[0] < op.shape.rank:
+                self.fail(instr, f"scan dimension {dims[0]} of operand {op.name} is out of bounds for "
+                                 f"{_txt(op.shape)}")
 
     # -- async ---------------------------------------------------------------------------------------------
     def verify_async(self, instr):
@@ -1545,7 +1558,7 @@ _SHAPE_CHECKS = {
     "async-start": _Verifier.verify_async, "async-update": _Verifier.verify_async,
     "async-done": _Verifier.verify_async,
 }
-for _op in _PLAIN_UNARY | _PLAIN_BINARY | _RESULT_ACCURACY_OPS | {"convert", "stochastic-convert"}:
+for _op in _PLAIN_UNARY | _PLAIN_BINARY | _RESULT_ACCURACY_OPS | {"convert", "stochastic-convert", "compare"}:
     if _op not in ("bitcast", "all-gather-done", "all-reduce-done", "collective-permute-done", "copy-done"):
         _SHAPE_CHECKS[_op] = _Verifier.verify_elementwise
 

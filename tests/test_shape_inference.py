@@ -110,6 +110,13 @@ CASES = {
     "cosine": ("", "a = c64[2] parameter(0)\n  ROOT r = cosine(a)"),
     "tan": ("", "a = f32[2] parameter(0)\n  ROOT r = tan(a)"),
     "tanh": ("", "a = f32[2,2]{0,1} parameter(0)\n  ROOT r = tanh(a)"),
+    "gte_scalar_memory_space": ("", "a = (f32[2]{0}, u32[]{:S(2)}) parameter(0)\n"
+                                    "  ROOT r = get-tuple-element(a), index=1"),
+    "add_scalar_memory_space": ("", "a = u32[]{:S(2)} parameter(0)\n  ROOT r = add(a, a)"),
+    "transpose_tiled": ("", "a = f32[2,3]{0,1:T(2,128)} parameter(0)\n  ROOT r = transpose(a), dimensions={1,0}"),
+    "compare_tiled": ("", "a = f32[2,3]{0,1:T(2,128)S(1)} parameter(0)\n  ROOT r = compare(a, a), direction=LT"),
+    "concatenate_memory_space": ("", "a = f32[2,3]{0,1:S(1)} parameter(0)\n"
+                                     "  ROOT r = concatenate(a, a), dimensions={0}"),
     "log": ("", "a = f32[2]{0} parameter(0)\n  ROOT r = log(a)"),
     "sqrt": ("", "a = f32[2] parameter(0)\n  ROOT r = sqrt(a)"),
     "rsqrt": ("", "a = f32[2] parameter(0)\n  ROOT r = rsqrt(a)"),
@@ -258,8 +265,9 @@ def test_matches_xla_inference(name):
     opcode = _root_opcode(body)
     text = _module(computations, body)
     expected = _xla_root_shape(text, opcode)
-    # Our parser cannot yet infer shapes of instructions that call computations, so write XLA's
-    # shape and ask infer_shape for the root directly.
+    # hlo_tools' parser infers the missing shape ...
+    assert str(hlo_tools.parse_module(text).entry.root.shape) == expected
+    # ... and so does infer_shape on the operands of the instruction written with XLA's shape.
     module = hlo_tools.parse_module(text.replace("ROOT r = ", f"ROOT r = {expected} ", 1))
     root = module.entry.root
     inferred = infer_shape(root.opcode, [o.shape for o in root.operands], root.attrs, literal=root.literal)
@@ -284,6 +292,7 @@ def test_count_leading_zeros():
 
 
 @pytest.mark.parametrize("name", ["InferBinaryShape", "InferDotShape", "InferTernaryShape", "InferTupleShape",
+                                  "InferShapeMixedExplicitShape",
                                   "InferUnaryShape", "MixAnonAndNonAnonOperands_input", "SimpleNesting_input"])
 def test_parser_inferred_shapes_match_xla(name):
     """Modules from XLA's parser tests that omit shapes: every inferred shape is XLA's."""
