@@ -24,6 +24,9 @@ PROG = "hlo-tools"
 COMMAND_MODULES = (
     "hlo_tools.inspect_commands",
     "hlo_tools.run_command",
+    "hlo_tools.dump_command",
+    "hlo_tools.stats_command",
+    "hlo_tools.diff_command",
 )
 
 
@@ -143,20 +146,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _error(message: str) -> int:
-    print(f"{PROG}: error: {message}", file=sys.stderr)
-    return 1
+def report_failures(prog: str, body, expected_errors: tuple[type[Exception], ...] = ()) -> int:
+    """Run ``body()`` (returns the exit status); turn any failure into one line on stderr.
 
+    ``expected_errors`` are the caller's own exception types whose ``str`` is the
+    message to show (``CommandError`` and parse/verify errors always are).
+    """
+    def error(message: str) -> int:
+        print(f"{prog}: error: {_one_line(message)}", file=sys.stderr)
+        return 1
 
-def main(argv: list[str] | None = None) -> int:
-    """Run ``hlo-tools`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
     try:
-        args = build_parser().parse_args(argv)
-        return args.func(args)
+        return body()
     except CommandError as exc:
-        return _error(str(exc))
+        return error(str(exc))
     except (hlo_tools.HloParseError, hlo_tools.HloVerifyError) as exc:
-        return _error(str(located(exc, None)))
+        return error(str(located(exc, None)))
+    except expected_errors as exc:
+        return error(str(exc))
     except BrokenPipeError:
         # Whoever read stdout stopped (`hlo-tools print x | head`): end quietly, as Unix tools do.
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -165,8 +172,16 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except OSError as exc:
         where = f"{exc.filename}: " if exc.filename else ""
-        return _error(f"{where}{exc.strerror or _one_line(str(exc))}")
+        return error(f"{where}{exc.strerror or _one_line(str(exc))}")
     except KeyboardInterrupt:
-        return _error("interrupted")
+        return error("interrupted")
     except Exception as exc:  # the last resort: still one line, never a traceback
-        return _error(f"internal error: {type(exc).__name__}: {_one_line(str(exc))}")
+        return error(f"internal error: {type(exc).__name__}: {_one_line(str(exc))}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``hlo-tools`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    def body() -> int:
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    return report_failures(PROG, body)

@@ -213,7 +213,8 @@ class Shape:
             body = ",".join(("?" if d == UNBOUNDED else f"<={d}") if dyn else str(d)
                             for d, dyn in zip(self.dims, self.dynamic))
         text = f"{self.dtype}[{body}]"
-        if print_layout and self.layout is not None:
+        # XLA leaves a scalar's empty layout unprinted (`f32[]`, never `f32[]{}`).
+        if print_layout and self.layout is not None and (self.dims or self.layout.extra):
             text += str(self.layout)
         return text
 

@@ -292,6 +292,25 @@ class Executable:
         except Exception:  # noqa: BLE001 - not every backend has one
             return {}
 
+    def memory_stats(self) -> dict[str, int]:
+        """XLA's compiled memory stats of one device's program, in bytes.
+
+        Keys: ``argument_bytes``, ``output_bytes``, ``alias_bytes`` (outputs
+        that reuse an argument's buffer), ``temp_bytes``, ``generated_code_bytes``
+        (0 on CPU, whose code is not counted there) and ``peak_bytes``; empty
+        where the backend has no such stats.
+        """
+        try:
+            stats = self._loaded.get_compiled_memory_stats()
+        except Exception:  # noqa: BLE001 - not every backend has them
+            return {}
+        return {"argument_bytes": int(stats.argument_size_in_bytes),
+                "output_bytes": int(stats.output_size_in_bytes),
+                "alias_bytes": int(stats.alias_size_in_bytes),
+                "temp_bytes": int(stats.temp_size_in_bytes),
+                "generated_code_bytes": int(stats.generated_code_size_in_bytes),
+                "peak_bytes": int(stats.peak_memory_in_bytes)}
+
     def _device_arrays(self, per_device: list[list]) -> list:
         """One jax Array per parameter, holding each local device's own numpy data.
 

@@ -1,0 +1,375 @@
+"""Capture HLO modules before and after XLA's optimizations, in files named as XLA names its dumps.
+
+    from hlo_tools import dump
+    dump.dump_jax(step, params, batch, out_dir="dumps")          # jax.jit(step).lower(...)
+    dump.dump_tf(tf_step, tf.TensorSpec([8, 16]), out_dir="dumps")  # tf.function(jit_compile=True)
+    files, status = dump.dump_script(["python", "train.py"], "dumps")
+
+Every module lands in ``out_dir`` as XLA's ``--xla_dump_to`` would write it:
+``module_NNNN.<name>.before_optimizations.txt`` (the module XLA's pipeline
+starts from) and ``module_NNNN.<name>.<compiler>_after_optimizations.txt``
+(what the backend compiled; XLA's CPU compiler says ``cpu_``, its GPU
+compiler names the GPU, e.g. ``sm_9.0_gpu_``), so a glob on
+``*after_optimizations.txt`` finds both kinds.  ``<name>`` is the name on the
+module's ``HloModule`` line with the characters XLA replaces in file names
+(``/ \\ [ ] `` and space) turned into ``_``.
+
+Numbering: XLA numbers a dump with the module's id in the process that
+compiled it, so two runs into one directory would overwrite each other.  Here
+``NNNN`` (four digits or more, as XLA prints it) continues after the highest
+number already in ``out_dir``; a script run into an empty directory keeps
+XLA's own numbers.  Nothing in ``out_dir`` is ever overwritten: every dump is
+first written to a private staging directory inside ``out_dir`` and then
+hard-linked into place, which fails rather than replace a file, so a reader
+never sees a half-written file either.
+
+How each source is captured:
+
+* JAX: ``jit(fn).lower(*args).compile()`` with XLA's dump options passed as
+  ``compiler_options``, so the files are XLA's own dump of that compilation
+  (with its source-location tables and with large constants printed in full,
+  so that the modules can be run).  A hit in jax's persistent compilation
+  cache skips XLA's compiler and with it the dump; that is reported as a
+  :class:`DumpError`.
+* TensorFlow: ``fn.experimental_get_compiler_ir(*args)`` at stages ``hlo`` and
+  ``optimized_hlo``: TF's print of the module it hands to XLA, and of the
+  module XLA compiled for TF's default device.
+* A script: the child runs with ``XLA_FLAGS`` extended by XLA's dump flags
+  (``--xla_dump_to`` pointing at the staging directory, text format, large
+  constants in full; the caller's own flags are kept, see
+  :func:`xla_flags_for_dump`).  Every file XLA writes is
+  kept (buffer assignments, LLVM IR, ...), and moved into ``out_dir`` when the
+  child ends.  TensorFlow's XLA reads the same ``XLA_FLAGS``.
+
+jax and tensorflow are imported inside the functions that use them, so the
+IR never loads them and the JAX path works where TensorFlow is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import NamedTuple
+
+STAGES = ("before", "after", "both")
+BEFORE_SUFFIX = "before_optimizations.txt"
+AFTER_SUFFIX = "after_optimizations.txt"
+
+# XLA's dump options for every capture: HLO as text, large constants in full (runnable modules).
+_DUMP_OPTIONS = {"xla_dump_hlo_as_text": True, "xla_dump_large_constants": True}
+
+# A numbered dump entry: XLA's ``module_<id>.<rest>`` (rest: module name and what the file holds).
+_NUMBERED = re.compile(r"module_(\d+)\.(.+)", re.S)
+_MODULE_NAME = re.compile(r"^\s*HloModule\s+([^\s,]+)", re.M)
+_STAGING_PREFIX = ".hlo-tools-dump-"
+
+
+class DumpError(Exception):
+    """A dump could not be made (one line: what failed and where)."""
+
+
+class ScriptDump(NamedTuple):
+    """What :func:`dump_script` captured: the paths it wrote and the child's exit status."""
+
+    files: list[str]
+    returncode: int  # negative -N when the child was killed by signal N, as in subprocess
+
+
+# --- Names and numbers -----------------------------------------------------------------------------
+
+
+def sanitize_file_name(name: str) -> str:
+    """``name`` as XLA puts it in a file name (``xla::SanitizeFileName``)."""
+    return re.sub(r"[/\\\[\] ]", "_", name)
+
+
+def module_file_name(number: int, module_name: str, suffix: str) -> str:
+    """XLA's dump file name, e.g. ``module_0003.jit_step.before_optimizations.txt``."""
+    return f"module_{number:04d}.{sanitize_file_name(module_name)}.{suffix}"
+
+
+def next_module_number(out_dir: str) -> int:
+    """One more than the highest ``module_NNNN.`` number in ``out_dir`` (0 when there is none)."""
+    numbers = [int(m.group(1)) for m in map(_NUMBERED.fullmatch, os.listdir(out_dir)) if m]
+    return max(numbers, default=-1) + 1
+
+
+def is_hlo_dump(path: str) -> bool:
+    """Whether ``path`` is a module before or after optimizations (not a buffer assignment, IR...)."""
+    return _is_before(path) or _is_after(path)
+
+
+def _is_before(path: str) -> bool:
+    return os.path.basename(path).endswith("." + BEFORE_SUFFIX)
+
+
+def _is_after(path: str) -> bool:
+    return os.path.basename(path).endswith(AFTER_SUFFIX)
+
+
+def _stage_wanted(name: str, stage: str) -> bool:
+    return (_is_before(name) and stage in ("before", "both")) or (_is_after(name) and stage in ("after", "both"))
+
+
+def _check_stage(stage: str) -> None:
+    if stage not in STAGES:
+        raise DumpError(f"stage must be one of {', '.join(STAGES)}, not {stage!r}")
+
+
+# --- Staging and placing files without overwriting --------------------------------------------------
+
+
+@contextmanager
+def _staging_dir(out_dir: str) -> Iterator[str]:
+    """A private directory inside ``out_dir`` (created if needed), removed afterwards.
+
+    Inside ``out_dir`` so that finished files can be hard-linked into place.
+    """
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as exc:
+        raise DumpError(f"{out_dir}: not a directory") from exc
+    staging = tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=out_dir)
+    try:
+        yield staging
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _claim(source: str, target: str) -> None:
+    """Move ``source`` (a file or directory) to ``target``; FileExistsError when ``target`` exists.
+
+    A file is hard-linked (atomic, never replaces); a directory first claims its
+    name with ``mkdir`` and then replaces that empty directory by a rename.
+    """
+    if os.path.isdir(source):
+        os.mkdir(target)
+        os.rename(source, target)
+    else:
+        os.link(source, target)
+
+
+def _place_group(entries: Sequence[tuple[str, str]], out_dir: str, number: int) -> list[str]:
+    """Put one module's entries ``(staged path, rest of the name)`` under one number.
+
+    ``number`` is tried first; when one of its names is taken (another dump got
+    there), the whole group moves on to the next free number.
+    """
+    while True:
+        placed = []
+        try:
+            for source, rest in entries:
+                target = os.path.join(out_dir, f"module_{number:04d}.{rest}")
+                _claim(source, target)
+                placed.append(target)
+            return placed
+        except FileExistsError:
+            for target in placed:
+                _remove(target)
+            number = max(number + 1, next_module_number(out_dir))
+
+
+def _remove(target: str) -> None:
+    """Delete a file or a directory tree."""
+    if os.path.isdir(target) and not os.path.islink(target):
+        shutil.rmtree(target)
+    else:
+        os.unlink(target)
+
+
+def _place_unnumbered(source: str, out_dir: str) -> str:
+    """Put an entry without a module number under its own name, or ``name.1``, ``name.2``... if taken."""
+    name = os.path.basename(source)
+    candidate, copy = name, 0
+    while True:
+        target = os.path.join(out_dir, candidate)
+        try:
+            _claim(source, target)
+            return target
+        except FileExistsError:
+            copy += 1
+            candidate = f"{name}.{copy}"
+
+
+def _move_staged(staging: str, out_dir: str, keep_xla_numbers: bool) -> list[str]:
+    """Move everything in ``staging`` into ``out_dir``; returns the paths, sorted.
+
+    Modules are numbered from ``next_module_number(out_dir)`` on: consecutively,
+    or (``keep_xla_numbers``) with XLA's numbers shifted by that base, so a dump
+    into an empty directory keeps XLA's names exactly.
+    """
+    groups: dict[int, list[tuple[str, str]]] = {}
+    unnumbered = []
+    for name in sorted(os.listdir(staging)):
+        match = _NUMBERED.fullmatch(name)
+        if match:
+            groups.setdefault(int(match.group(1)), []).append((os.path.join(staging, name), match.group(2)))
+        else:
+            unnumbered.append(os.path.join(staging, name))
+    base = next_module_number(out_dir)
+    placed = []
+    for index, xla_number in enumerate(sorted(groups)):
+        number = base + (xla_number if keep_xla_numbers else index)
+        placed += _place_group(groups[xla_number], out_dir, number)
+    placed += [_place_unnumbered(source, out_dir) for source in unnumbered]
+    return sorted(placed)
+
+
+# --- JAX ---------------------------------------------------------------------------------------------
+
+
+def dump_jax(fn, *args, out_dir: str, stage: str = "both", **kwargs) -> list[str]:
+    """Dump the module XLA compiles for ``fn(*args, **kwargs)``, before and/or after optimizations.
+
+    Args:
+      fn: a function, or an already jitted one (``jax.jit``, ``jax.pmap``:
+        anything with ``.lower``); a plain function is wrapped in ``jax.jit``.
+      args, kwargs: what ``fn.lower`` takes: arrays, or ``jax.ShapeDtypeStruct``
+        (with ``sharding=`` for sharded programs), in any pytree.
+      out_dir: the directory to write to (created if missing).
+      stage: ``before``, ``after`` or ``both``.
+
+    Returns:
+      The paths written, sorted.
+
+    Raises:
+      DumpError: ``out_dir`` is not a directory, or the executable came from
+        jax's persistent compilation cache (XLA then dumps nothing before
+        optimizations). Errors while tracing, lowering or compiling ``fn``
+        propagate as jax raised them.
+    """
+    import jax  # noqa: PLC0415 - heavy, and only this path needs it
+
+    _check_stage(stage)
+    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+    lowered = jitted.lower(*args, **kwargs)
+    with _staging_dir(out_dir) as staging:
+        lowered.compile(compiler_options={"xla_dump_to": os.path.abspath(staging), **_DUMP_OPTIONS})
+        for name in os.listdir(staging):
+            if not _stage_wanted(name, stage):
+                _remove(os.path.join(staging, name))
+        written = os.listdir(staging)
+        if not written or (stage != "after" and not any(map(_is_before, written))):
+            raise DumpError("XLA did not compile the module, so it dumped nothing before optimizations: "
+                            "the executable came from jax's persistent compilation cache "
+                            "(jax_compilation_cache_dir)")
+        return _move_staged(staging, out_dir, keep_xla_numbers=False)
+
+
+# --- TensorFlow --------------------------------------------------------------------------------------
+
+
+def dump_tf(fn, *args, out_dir: str, stage: str = "both", **kwargs) -> list[str]:
+    """Dump the module of a ``tf.function(jit_compile=True)`` for ``args``, before and/or after XLA.
+
+    Args:
+      fn: a ``tf.function`` made with ``jit_compile=True``; a plain Python
+        function is wrapped in one.
+      args, kwargs: tensors, or ``tf.TensorSpec`` (all of one kind, as TF requires).
+      out_dir: the directory to write to (created if missing).
+      stage: ``before`` (TF's ``hlo`` stage), ``after`` (``optimized_hlo``) or ``both``.
+
+    Returns:
+      The paths written, sorted. The module after optimizations is
+      ``cpu_after_optimizations.txt`` on a CPU, as XLA names it, and
+      ``gpu_after_optimizations.txt`` on a GPU (XLA's own dump names the GPU
+      model there, e.g. ``sm_9.0_gpu_after_optimizations.txt``).
+
+    Raises:
+      DumpError: ``out_dir`` is not a directory. TF's own errors propagate as
+        TF raised them (a ValueError for a tf.function without
+        ``jit_compile=True`` or with ops XLA cannot compile).
+    """
+    import tensorflow as tf  # noqa: PLC0415 - heavy, optional; only this path needs it
+
+    _check_stage(stage)
+    if not isinstance(fn, tf.types.experimental.PolymorphicFunction):
+        fn = tf.function(fn, jit_compile=True)
+    # TF places a function on a GPU when it has one (experimental_get_compiler_ir does the same).
+    compiler = "gpu" if tf.config.list_logical_devices("GPU") else "cpu"
+    compiler_ir = fn.experimental_get_compiler_ir(*args, **kwargs)
+    texts = {}
+    if stage in ("before", "both"):
+        texts[BEFORE_SUFFIX] = compiler_ir(stage="hlo")
+    if stage in ("after", "both"):
+        texts[f"{compiler}_{AFTER_SUFFIX}"] = compiler_ir(stage="optimized_hlo")
+    module_name = _MODULE_NAME.search(next(iter(texts.values()))).group(1)
+    with _staging_dir(out_dir) as staging:
+        for suffix, text in texts.items():
+            path = os.path.join(staging, module_file_name(0, module_name, suffix))
+            with open(path, "w", encoding="utf-8", newline="") as f:
+                f.write(text)
+        return _move_staged(staging, out_dir, keep_xla_numbers=False)
+
+
+# --- A script run --------------------------------------------------------------------------------
+
+
+def xla_flags_for_dump(dump_dir: str, user_flags: str = "") -> str:
+    """``XLA_FLAGS`` for a child that dumps to ``dump_dir``, keeping ``user_flags``.
+
+    Large constants go first, so the user's flags may turn them off; the dump
+    directory and text format go last, so they win over a ``--xla_dump_to``
+    the user already had (XLA keeps the last value of a repeated flag).  XLA
+    splits the variable at spaces except inside double quotes, so the
+    directory is quoted, and a directory with a double quote is refused.
+    """
+    if '"' in dump_dir:
+        raise DumpError(f"{dump_dir}: XLA_FLAGS cannot carry a path with a double quote")
+    return " ".join(filter(None, ["--xla_dump_large_constants", user_flags.strip(),
+                                  f'--xla_dump_to="{dump_dir}"', "--xla_dump_hlo_as_text"]))
+
+
+def dump_script(argv: Sequence[str], out_dir: str, env: Mapping[str, str] | None = None) -> ScriptDump:
+    """Run ``argv`` with XLA's dump switched on; move what XLA wrote into ``out_dir``.
+
+    The child shares this process's stdin, stdout and stderr.  Its files are
+    moved when it ends, also when it fails or is interrupted (Ctrl-C reaches the
+    child too; this waits for it, moves the files, then re-raises).
+
+    Args:
+      argv: the command and its arguments (looked up on ``PATH``).
+      out_dir: the directory to write to (created if missing).
+      env: the child's environment (default: this process's), to which
+        ``XLA_FLAGS`` is added.
+
+    Returns:
+      ``ScriptDump(files, returncode)``: every path moved into ``out_dir``,
+      sorted (:func:`is_hlo_dump` picks the modules among them), and the
+      child's exit status.
+
+    Raises:
+      DumpError: ``argv`` is empty or its command cannot be started, or
+        ``out_dir`` is not a directory.
+    """
+    if not argv:
+        raise DumpError("no command to run")
+    base_env = dict(os.environ if env is None else env)
+    with _staging_dir(out_dir) as staging:
+        xla_flags = xla_flags_for_dump(os.path.abspath(staging), base_env.get("XLA_FLAGS", ""))
+        child_env = dict(base_env, XLA_FLAGS=xla_flags)
+        try:
+            child = subprocess.Popen(list(argv), env=child_env)
+        except FileNotFoundError as exc:
+            raise DumpError(f"{argv[0]}: command not found") from exc
+        except OSError as exc:
+            raise DumpError(f"{argv[0]}: {exc.strerror or exc}") from exc
+        try:
+            returncode = _wait(child)
+        finally:
+            files = _move_staged(staging, out_dir, keep_xla_numbers=True)
+    return ScriptDump(files, returncode)
+
+
+def _wait(child: subprocess.Popen) -> int:
+    """The child's exit status; on Ctrl-C, let the child (which got it too) finish, then re-raise."""
+    try:
+        return child.wait()
+    except KeyboardInterrupt:
+        child.wait()
+        raise
