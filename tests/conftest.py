@@ -13,6 +13,7 @@ import importlib.util  # noqa: E402
 import pytest  # noqa: E402
 
 import real_programs  # noqa: E402
+from xla_passes.testing import pytest_collect_file  # noqa: E402, F401 - collects the .hlo FileCheck tests
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""The Python in docs/ir.md runs, and prints what the page says it prints.
+"""The Python in docs/ir.md and docs/passes.md runs, and prints what the page says it prints.
 
 Every ```python block is executed, in order, in one namespace. A ```text block that comes
 right after a ```python block (only blank lines between) is that block's expected stdout,
@@ -13,7 +13,8 @@ import re
 
 import pytest
 
-DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "ir.md"
+DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
+PAGES = ["ir.md", "passes.md"]
 
 # A fenced block: the opening fence with its language, the body, the closing fence alone on a line.
 _FENCE = re.compile(r"^```([\w-]*)[ \t]*\n(.*?)^```[ \t]*$", re.M | re.S)
@@ -36,7 +37,7 @@ def examples(text: str) -> list[tuple[str, int, str | None]]:
     for i, (lang, body, line, before) in enumerate(blocks):
         if lang == "text":
             if i == 0 or blocks[i - 1][0] != "python" or before.strip():
-                raise AssertionError(f"docs/ir.md:{line}: a text block must directly follow a python block")
+                raise AssertionError(f"line {line}: a text block must directly follow a python block")
             continue
         if lang != "python":
             continue
@@ -54,14 +55,16 @@ def test_doc_block_extraction():
         examples("```python\nx = 1\n```\nprose\n```text\n1\n```\n")
 
 
-def test_doc_examples_run_and_print_what_the_page_shows():
-    cases = examples(DOC.read_text(encoding="utf-8"))
-    assert cases, "docs/ir.md has no python blocks"
-    namespace = {"__name__": "docs_ir"}
+@pytest.mark.parametrize("page", PAGES)
+def test_doc_examples_run_and_print_what_the_page_shows(page):
+    doc = DOCS / page
+    cases = examples(doc.read_text(encoding="utf-8"))
+    assert cases, f"docs/{page} has no python blocks"
+    namespace = {"__name__": "docs_" + page[:-3]}
     for source, line, expected in cases:
         stdout = io.StringIO()
         with contextlib.redirect_stdout(stdout):
-            code = compile("\n" * line + source, str(DOC), "exec")  # tracebacks point at the page's lines
+            code = compile("\n" * line + source, str(doc), "exec")  # tracebacks point at the page's lines
             exec(code, namespace)
         if expected is not None:
-            assert stdout.getvalue() == expected, f"docs/ir.md:{line}: printed output differs from the page"
+            assert stdout.getvalue() == expected, f"docs/{page}:{line}: printed output differs from the page"

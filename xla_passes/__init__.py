@@ -1,7 +1,16 @@
-"""Compiler passes for XLA's distributed training, written in Python.
+"""xla_passes: XLA's distributed-training passes in Python, on the `hlo_tools` IR.
 
-The passes (collective combiners, reassociation, reduce-scatter creation and the
-like) rewrite modules held in the ``hlo_tools`` IR: parse HLO text with
-``hlo_tools.parse_module``, run a pass over the module, and print the result
-back to HLO text that XLA accepts.
+    import hlo_tools, xla_passes
+    module = hlo_tools.parse_module(text)
+    xla_passes.run_passes(module, "all-reduce-combiner{threshold_bytes=1048576},dce")
+
+`xla-opt` runs pipelines from the command line; `XLA_PASSES=...` switches them
+on inside JAX without code changes (docs/passes.md, docs/enabling.md).
 """
+from .core import HloPass, PassError, pass_class, register_pass, registered_passes
+from .pipeline import FixedPoint, Pipeline, parse_pipeline, run_passes
+
+__all__ = [
+    "HloPass", "PassError", "register_pass", "registered_passes", "pass_class",
+    "Pipeline", "FixedPoint", "parse_pipeline", "run_passes",
+]

@@ -1,0 +1,189 @@
+"""What the JAX plugin costs and gains on a Flax data-parallel training step (8 CPU devices).
+
+1. Step time in three configurations of the same step:
+
+   a. XLA's all-reduce combiner off, no passes: one all-reduce per gradient;
+   b. XLA's combiner off, ``collective-fusion`` on: our pass combines them;
+   c. XLA's defaults: its own combiner on, no passes.
+
+   All three are compiled in this one process and their steps are timed in
+   turn, ``--steps`` at a time for ``--rounds`` rounds, so that changes in the
+   machine's load hit all of them alike; the table shows the median and the
+   minimum of all steps. XLA's combiner is switched off per compile
+   (``compiler_options={"xla_disable_hlo_passes": ...}``, the same as
+   ``XLA_FLAGS=--xla_disable_hlo_passes=...``), and the passes with
+   ``xla_passes.jax.enable``, which is what ``XLA_PASSES`` does when JAX starts.
+
+2. Compile time of the step with ``collective-fusion`` on and off (XLA's
+   combiner off, so that the pass has work to do): the median of
+   ``--compiles`` fresh compiles each (``jax.clear_caches()`` and a new
+   ``lower`` before every compile; only ``compile()`` is timed), and the time
+   spent inside the plugin's hook. The target is an overhead of at most 10% of
+   XLA's own compile time.
+
+The model is the one tests/test_jax_plugin.py trains (tests/jax_plugin_worker.py):
+an MLP of Dense layers with one all-reduce per gradient.
+
+Needs the test extra (Flax, optax): ``pip install -e '.[test]'``.
+Run from the repository root: ``.venv/bin/python benchmarks/plugin.py``.
+"""
+import os
+import sys
+
+# XLA reads XLA_FLAGS once, when its CPU backend starts: set it before importing jax.
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]).strip()
+os.environ["JAX_PLATFORMS"] = "cpu"
+for _variable in [name for name in os.environ if name.startswith("XLA_PASSES")]:
+    del os.environ[_variable]  # this benchmark switches the passes itself
+
+import argparse  # noqa: E402
+import logging  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+
+import xla_passes.jax  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from jax_plugin_worker import build_flax_training  # noqa: E402
+
+PASSES = "collective-fusion"
+# The CPU pipeline's combiner is "cpu-all-reduce-combiner"; other backends call theirs "all-reduce-combiner".
+NO_XLA_COMBINER = {"xla_disable_hlo_passes": "all-reduce-combiner,cpu-all-reduce-combiner"}
+
+# (key, label, compiler options, passes)
+STEP_CONFIGURATIONS = [
+    ("a", "XLA combiner off, no passes", NO_XLA_COMBINER, None),
+    ("b", f"XLA combiner off, {PASSES}", NO_XLA_COMBINER, PASSES),
+    ("c", "XLA defaults (its combiner on)", None, None),
+]
+
+
+def widths(layers: int) -> tuple[int, ...]:
+    """Dense layer widths: `layers - 2` of 256, then 128 and the 10 classes."""
+    return (256,) * (layers - 2) + (128, 10)
+
+
+def compile_step(step, args, compiler_options, passes):
+    """A fresh compile of the step with XLA options and our passes as given."""
+    if passes:
+        xla_passes.jax.enable(passes)
+    else:
+        xla_passes.jax.disable()
+    try:
+        jax.clear_caches()
+        lowered = step.lower(*args)  # a fresh Lowered: each caches its one executable
+        start = time.perf_counter()
+        compiled = lowered.compile(compiler_options=compiler_options)
+        return compiled, time.perf_counter() - start
+    finally:
+        xla_passes.jax.disable()
+
+
+def step_time_table(layers: int, steps: int, rounds: int) -> str:
+    step, args = build_flax_training(widths(layers))
+    runs = {}
+    for key, _, options, passes in STEP_CONFIGURATIONS:
+        compiled, _ = compile_step(step, args, options, passes)
+        state = jax.tree.map(lambda leaf: leaf.copy(), args)  # each executable donates its own buffers
+        runs[key] = {"compiled": compiled, "state": state, "seconds": [],
+                     "all_reduces": compiled.as_text().count(" all-reduce(")}
+    for _ in range(rounds + 1):  # the first round warms up and is not counted
+        for run in runs.values():
+            params, opt_state, images, labels = run["state"]
+            seconds = []
+            for _ in range(steps):
+                start = time.perf_counter()
+                params, opt_state, loss = run["compiled"](params, opt_state, images, labels)
+                jax.block_until_ready(loss)
+                seconds.append(time.perf_counter() - start)
+            run["state"] = (params, opt_state, images, labels)
+            run["loss"] = float(loss)
+            run["seconds"].append(seconds)
+    for run in runs.values():
+        counted = [s for round_seconds in run["seconds"][1:] for s in round_seconds]
+        run["median_s"], run["min_s"] = statistics.median(counted), min(counted)
+    lines = [f"Step time: Flax MLP, {layers} Dense layers, adam, 8 CPU devices; "
+             f"{rounds} rounds x {steps} steps per configuration, interleaved",
+             "",
+             "| config | | all-reduces compiled | median step (ms) | vs a | vs c | min step (ms) | vs a | vs c "
+             "| final loss |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for key, label, _, _ in STEP_CONFIGURATIONS:
+        r = runs[key]
+        lines.append(f"| {key} | {label} | {r['all_reduces']} | {1e3 * r['median_s']:.2f} | "
+                     f"{r['median_s'] / runs['a']['median_s']:.2f} | {r['median_s'] / runs['c']['median_s']:.2f} | "
+                     f"{1e3 * r['min_s']:.2f} | {r['min_s'] / runs['a']['min_s']:.2f} | "
+                     f"{r['min_s'] / runs['c']['min_s']:.2f} | {r['loss']:.6f} |")
+    return "\n".join(lines)
+
+
+class _HookTimes(logging.Handler):
+    """Collects the milliseconds of the plugin's per-module INFO lines (their last argument)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.milliseconds: list[float] = []
+
+    def emit(self, record):
+        if record.levelno == logging.INFO:
+            self.milliseconds.append(float(record.args[-1]))
+
+
+def compile_time_row(layers: int, compiles: int) -> str:
+    hook_times = _HookTimes()
+    logger = logging.getLogger("xla_passes")
+    logger.addHandler(hook_times)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    try:
+        step, args = build_flax_training(widths(layers))
+        compiled, _ = compile_step(step, args, NO_XLA_COMBINER, None)  # also warms XLA up
+        lines = compiled.as_text().count("\n")
+        seconds = {"off": [], "on": []}
+        hook = []
+        for _ in range(compiles):
+            for mode in ("off", "on"):  # interleaved, so that drift in machine load hits both alike
+                hook_times.milliseconds.clear()
+                _, compile_s = compile_step(step, args, NO_XLA_COMBINER, PASSES if mode == "on" else None)
+                seconds[mode].append(compile_s)
+                if mode == "on":
+                    hook.append(sum(hook_times.milliseconds) / 1e3)
+    finally:
+        logger.removeHandler(hook_times)
+    off, on, in_hook = statistics.median(seconds["off"]), statistics.median(seconds["on"]), statistics.median(hook)
+    return (f"| {layers} | {lines} | {off:.3f} | {on:.3f} | {100 * (on / off - 1):+.1f}% | "
+            f"{in_hook:.3f} | {100 * in_hook / off:.1f}% |")
+
+
+def compile_time_table(layer_counts: list[int], compiles: int) -> str:
+    lines = [f"Compile time of the step ({PASSES} off/on, XLA combiner off), median of {compiles} fresh compiles",
+             "",
+             "| layers | optimized HLO lines | XLA alone (s) | with plugin (s) | overhead | in the hook (s) |"
+             " hook / XLA |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines += [compile_time_row(layers, compiles) for layers in layer_counts]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=8, help="Dense layers of the step-time model")
+    parser.add_argument("--steps", type=int, default=50, help="timed steps per configuration and round")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds of step timing")
+    parser.add_argument("--compile-layers", default="8,32", help="model sizes for compile time, comma-separated")
+    parser.add_argument("--compiles", type=int, default=7, help="fresh compiles per compile-time median")
+    args = parser.parse_args(argv)
+    print(f"# benchmarks/plugin.py on {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+          f"jax {jax.__version__}")
+    print()
+    print(step_time_table(args.layers, args.steps, args.rounds))
+    print()
+    print(compile_time_table([int(n) for n in args.compile_layers.split(",")], args.compiles))
+
+
+if __name__ == "__main__":
+    main()

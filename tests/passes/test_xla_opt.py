@@ -1,0 +1,128 @@
+"""`xla-opt`: pipelines from the command line, split input files, atomic output, one-line errors."""
+
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+
+from xla_passes import opt
+
+MODULE = """HloModule opt_test
+
+ENTRY main {
+  p = f32[8] parameter(0)
+  dead = f32[8] negate(p)
+  ROOT r = f32[8] add(p, p)
+}
+"""
+
+
+def run_opt(capsys, *argv):
+    status = opt.main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def one_error_line(err: str) -> str:
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("xla-opt: error: "), err
+    return lines[0][len("xla-opt: error: "):]
+
+
+def test_runs_passes_and_writes_the_output_file(tmp_path, capsys):
+    src = tmp_path / "in.hlo"
+    src.write_text(MODULE)
+    out = tmp_path / "out.hlo"
+    status, stdout, _ = run_opt(capsys, str(src), "--passes=dce", "-o", str(out))
+    assert status == 0 and stdout == ""
+    assert out.read_text() == MODULE.replace("  dead = f32[8] negate(p)\n", "")
+    assert src.read_text() == MODULE
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp files left
+
+
+def test_without_passes_prints_the_module_unchanged(tmp_path, capsys):
+    src = tmp_path / "in.hlo"
+    src.write_text(MODULE)
+    assert run_opt(capsys, str(src)) == (0, MODULE, "")
+
+
+def test_stdin_to_stdout(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(MODULE.encode())))
+    status, out, _ = run_opt(capsys, "--passes", "dce")
+    assert status == 0 and "negate" not in out and out.startswith("HloModule opt_test")
+
+
+def test_split_input_file_keeps_each_module_separate(tmp_path, capsys):
+    src = tmp_path / "cases.hlo"
+    src.write_text(MODULE + "// -----\n" + MODULE.replace("opt_test", "second"))
+    status, out, _ = run_opt(capsys, str(src), "--split-input-file", "--passes=dce")
+    assert status == 0
+    first, second = out.split("// -----\n")
+    assert first.startswith("HloModule opt_test") and second.startswith("HloModule second")
+    assert "negate" not in out
+
+
+def test_list_passes_shows_every_pass_with_its_options(capsys):
+    import xla_passes
+
+    status, out, _ = run_opt(capsys, "--list-passes")
+    assert status == 0
+    for name, cls in xla_passes.registered_passes().items():
+        assert f"\n{name} " in "\n" + out
+        for field in cls.option_fields():
+            assert f"{field.name}: " in out
+    assert "fixed-point(...)" in out
+
+
+def test_dump_to_writes_one_file_per_pass(tmp_path, capsys):
+    src = tmp_path / "in.hlo"
+    src.write_text(MODULE)
+    dump = tmp_path / "dump"
+    assert run_opt(capsys, str(src), "--passes=cse,dce", "--dump-to", str(dump))[0] == 0
+    assert sorted(os.listdir(dump)) == ["module_0000.opt_test.0001.after_cse.txt",
+                                        "module_0000.opt_test.0002.after_dce.txt",
+                                        "module_0000.opt_test.before_xla_passes.txt"]
+
+
+def test_errors_are_one_line_with_a_nonzero_exit(tmp_path, capsys):
+    src = tmp_path / "in.hlo"
+    src.write_text(MODULE)
+    broken = tmp_path / "broken.hlo"
+    broken.write_text(MODULE + "// -----\nHloModule x\n\nENTRY e {\n  p = f32[8] parameter(0)\n  ROOT r = f32[8] add(p, q)\n}\n")
+    invalid = tmp_path / "invalid.hlo"
+    invalid.write_text(MODULE.replace("ROOT r = f32[8] add(p, p)", "ROOT r = f32[9] add(p, p)"))
+
+    cases = [
+        ((str(tmp_path / "missing.hlo"),), "No such file or directory"),
+        ((str(src), "--passes=nope"), "unknown pass 'nope' (valid passes: "),
+        ((str(src), "--passes=dce{x=1}"), "pass dce: unknown option 'x'"),
+        ((str(broken), "--split-input-file"), f"{broken}:13:"),
+        ((str(invalid),), f"{invalid}:6: r:"),
+        ((str(src), "--passes=dce", "-o", str(src)), "refusing to overwrite the input file"),
+        ((str(src), "-o", str(tmp_path / "no" / "dir" / "out.hlo")), "No such file or directory"),
+    ]
+    for argv, message in cases:
+        status, out, err = run_opt(capsys, *argv)
+        assert status == 1, argv
+        assert message in one_error_line(err), (argv, err)
+    assert src.read_text() == MODULE
+
+
+def test_console_script_reports_errors_without_a_traceback(tmp_path):
+    src = tmp_path / "in.hlo"
+    src.write_text("HloModule m\nENTRY e {\n  ROOT r = f32[8] bogus-op()\n}\n")
+    result = subprocess.run([sys.executable, "-m", "xla_passes.opt", str(src), "--passes=dce"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"xla-opt: error: {src}:3:")
+    assert "Traceback" not in result.stderr and len(result.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv", [["--no-such-flag"], ["a.hlo", "b.hlo"]])
+def test_usage_errors_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        opt.main(argv)
+    assert info.value.code == 2

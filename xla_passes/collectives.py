@@ -1,0 +1,451 @@
+"""Shared machinery of the collective passes: what makes two collectives combinable, in which
+groups they may be combined without creating a cycle, and how a group becomes one
+tuple-shaped collective.
+
+The combiners (`all-reduce-combiner`, `all-gather-combiner`, `reduce-scatter-combiner`) are
+built from three pieces, each usable on its own:
+
+* keys: `replica_groups_key`, `reducer_key` and `collective_key` say when two collectives do
+  the same communication (same participants, mode and reduction), so one op can do both;
+* grouping: `combine_by_key` is XLA's `CombineInstructionsByKey`: walk a computation in post
+  order and collect instructions of one key into a group until a size or count threshold is
+  reached or the next one depends on the group (`DependencyTracker`);
+* rewriting: `combine_collectives` replaces a group by one collective whose operands are all
+  of the group's operands, and every member by the matching `get-tuple-element`s of it
+  (`replace_with_elements`).
+
+Only synchronous collectives are combined. XLA's combiners run before its async conversion,
+and XLA itself cannot lower a tuple-shaped `all-reduce-start` or `all-gather-start` to
+StableHLO (so such a result could not even be executed here); `*-start`/`*-done` pairs and
+`async-start` wrappers are left as they are, and they still count as dependencies.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Callable, Hashable, Iterable, Sequence
+
+from hlo_tools import HloComputation, HloInstruction, HloModule
+from hlo_tools.attributes import FrontendAttributes, Raw, Sharding
+from hlo_tools.opcodes import async_wrapped_opcode
+from hlo_tools.printer import format_value
+from hlo_tools.shape import Layout, Shape
+from hlo_tools.shape_inference import attr_bool, attr_ints
+
+# Binary opcodes whose operands may be swapped: `add(b, a)` reduces exactly like `add(a, b)`.
+COMMUTATIVE_OPCODES = frozenset({"add", "multiply", "maximum", "minimum", "and", "or", "xor"})
+
+# Attributes of a collective that describe its communication; a combined op copies them from
+# the first member (they are part of the key, so all members agree on what they mean).
+_COMMUNICATION_ATTRS = ("channel_id", "replica_groups", "use_global_device_ids", "dimensions", "to_apply")
+
+
+# -- keys ---------------------------------------------------------------------------------------------
+
+def replica_groups_key(instr: HloInstruction) -> tuple[tuple[int, ...], ...] | None:
+    """The replica groups of a collective as explicit tuples (iota and explicit forms compare
+    equal; `()` is XLA's "one group of everyone"), or None when they are malformed (`Raw`)."""
+    groups = instr.attrs.get("replica_groups")
+    if groups is None:
+        return ()
+    if isinstance(groups, Raw):
+        return None
+    return tuple(tuple(group) for group in groups.groups)
+
+
+def computation_key(comp: HloComputation) -> tuple:
+    """What `comp` computes, without names or metadata: equal keys mean equal functions.
+
+    Parameters are referred to by number and commutative binary operands are sorted, so
+    `add(x, y)` and `add(y, x)` of two differently named reducers have one key.
+    """
+    refs: dict[HloInstruction, tuple] = {}
+    body = []
+    for instr in comp.post_order():
+        if instr.opcode == "parameter":
+            refs[instr] = ("parameter", instr.parameter_number, instr.shape.without_layout())
+            continue
+        refs[instr] = ("value", len(body))
+        operands = [refs[o] for o in instr.operands]
+        if instr.opcode in COMMUTATIVE_OPCODES and len(operands) == 2:
+            operands.sort()
+        attrs = tuple(sorted((key, _attr_key(key, value)) for key, value in instr.attrs.items()
+                             if key != "metadata"))
+        literal = instr.literal.text if instr.literal is not None else None
+        body.append((instr.opcode, instr.shape.without_layout(), tuple(operands), literal, attrs))
+    params = tuple(sorted(ref for instr, ref in refs.items() if instr.opcode == "parameter"))
+    return params, tuple(body), refs[comp.root]
+
+
+def _attr_key(key: str, value) -> Hashable:
+    if isinstance(value, HloComputation):
+        return computation_key(value)
+    if isinstance(value, tuple) and value and isinstance(value[0], HloComputation):
+        return tuple(computation_key(c) for c in value)
+    return format_value(key, value)
+
+
+def reducer_key(instr: HloInstruction) -> tuple | None:
+    """The key of a collective's reduction computation (`to_apply`), None when it has none."""
+    reducer = instr.attrs.get("to_apply")
+    return computation_key(reducer) if isinstance(reducer, HloComputation) else None
+
+
+def collective_dimension(instr: HloInstruction) -> int:
+    """The gather or scatter dimension of an all-gather or reduce-scatter."""
+    return attr_ints(instr.attrs, "dimensions")[0]
+
+
+def collective_key(instr: HloInstruction, *, by_dimension: bool = True) -> tuple | None:
+    """A key that is equal for collectives of one opcode that one op can do together, or None
+    when `instr` must not be combined at all.
+
+    Equal keys mean: same opcode, replica groups, channel-id presence (cross-replica and
+    cross-partition collectives differ in what the groups number), `use_global_device_ids`
+    and reduction computation (by structure, which covers the element type of reducing
+    collectives); the gather/scatter dimension when `by_dimension`. Element types of
+    all-gathers do not count (XLA's default). Layout-constrained collectives, malformed
+    replica groups and results that are not arrays give None.
+    """
+    if attr_bool(instr.attrs, "constrain_layout"):
+        return None
+    if not all(leaf.is_array for _, leaf in instr.shape.leaves()) or not instr.operands:
+        return None
+    groups = replica_groups_key(instr)
+    if groups is None:
+        return None
+    key = (instr.opcode, groups, "channel_id" in instr.attrs, attr_bool(instr.attrs, "use_global_device_ids"),
+           reducer_key(instr))
+    if by_dimension and "dimensions" in instr.attrs:
+        key += (collective_dimension(instr),)
+    return key
+
+
+# -- grouping ------------------------------------------------------------------------------------------
+
+class DependencyTracker:
+    """Which instructions of one computation depend on any of a growing set of sources.
+
+    Dependencies follow operands and control predecessors, transitively. Adding a source
+    marks everything downstream of it once, so a whole group costs one walk of the
+    computation.
+    """
+
+    def __init__(self, comp: HloComputation):
+        self._control_successors: dict[HloInstruction, list[HloInstruction]] = {}
+        for instr in comp.instructions:
+            for pred in instr.control_predecessors:
+                self._control_successors.setdefault(pred, []).append(instr)
+        self._downstream: set[HloInstruction] = set()
+
+    def add_source(self, source: HloInstruction) -> None:
+        stack = [source]
+        while stack:
+            instr = stack.pop()
+            for nxt in (*instr.users, *self._control_successors.get(instr, ())):
+                if nxt not in self._downstream:
+                    self._downstream.add(nxt)
+                    stack.append(nxt)
+
+    def depends_on_sources(self, instr: HloInstruction) -> bool:
+        return instr in self._downstream
+
+
+def combine_by_key(comp: HloComputation, key_of: Callable[[HloInstruction], Hashable | None],
+                   combine: Callable[[list[HloInstruction]], object], *, threshold_bytes: int,
+                   threshold_count: int) -> bool:
+    """Combine instructions of `comp` with equal keys, as XLA's `CombineInstructionsByKey`.
+
+    Each round walks the computation in post order. The first instruction that still has a
+    key opens a group; later ones of the same key join it until adding one would pass
+    `threshold_bytes` (bytes of the results) or `threshold_count` (operands of the combined
+    op), or one depends on a member. Then the group goes to `combine` (when it has two
+    members or more) and the next round starts from what is left. An instruction that is
+    over a threshold on its own is never combined. Members are in post order, so the result
+    does not depend on dictionary order.
+
+    `combine(members)` rewrites the members away; returns whether anything was combined.
+    """
+    if threshold_bytes <= 0 or threshold_count <= 0:
+        return False
+    keys = {}
+    for instr in comp.instructions:
+        key = key_of(instr)
+        if key is not None:
+            keys[instr] = key
+    changed = False
+    while keys:
+        group, group_key, group_bytes, group_count = [], None, 0, 0
+        tracker = DependencyTracker(comp)
+        for instr in comp.post_order():
+            key = keys.get(instr)
+            if key is None or (group and key != group_key):
+                continue
+            size, count = instr.shape.byte_size, instr.operand_count
+            if size > threshold_bytes or count > threshold_count:
+                del keys[instr]  # can never be combined with anything
+                continue
+            if group_bytes + size > threshold_bytes or group_count + count > threshold_count:
+                break
+            if tracker.depends_on_sources(instr):
+                break
+            group.append(instr)
+            group_key, group_bytes, group_count = key, group_bytes + size, group_count + count
+            tracker.add_source(instr)
+            del keys[instr]
+            if group_count >= threshold_count:
+                break
+        if len(group) > 1:
+            combine(group)
+            changed = True
+    return changed
+
+
+def combinable_computations(module: HloModule) -> list[HloComputation]:
+    """The computations whose collectives a pass may rewrite: every computation but fusion
+    bodies and async-wrapped computations (those must keep their single op)."""
+    wrapped = set()
+    for instr in module.instructions():
+        if instr.opcode == "fusion" or instr.opcode.startswith("async-") or async_wrapped_opcode(instr.opcode):
+            wrapped.update(instr.called_computations)
+    return [c for c in module.computations if c not in wrapped]
+
+
+def has_layout_constrained(module: HloModule, opcode: str) -> bool:
+    """Whether any `opcode` collective (or its async start) has `constrain_layout=true`; XLA's
+    combiners then leave the module alone, since such ops promise their operand layouts."""
+    return any(instr.opcode in (opcode, opcode + "-start") and attr_bool(instr.attrs, "constrain_layout")
+               for instr in module.instructions())
+
+
+def run_combiner(module: HloModule, opcode: str, key_of: Callable[[HloInstruction], Hashable | None],
+                 combine: Callable[[list[HloInstruction]], object], *, threshold_bytes: int,
+                 threshold_count: int) -> bool:
+    """Combine the `opcode` collectives of every combinable computation of `module`.
+
+    `key_of` is only asked about instructions of `opcode`. Computations with `domain`
+    instructions are skipped (XLA combines only within one sharding domain; these are left
+    alone rather than split by domain). Computations that changed are put back in an order
+    where definitions come before uses (a combined op sits where its first member's users
+    need it).
+    """
+    if has_layout_constrained(module, opcode):
+        return False
+
+    def key(instr):
+        return key_of(instr) if instr.opcode == opcode else None
+
+    changed = False
+    for comp in combinable_computations(module):
+        if any(instr.opcode == "domain" for instr in comp.instructions):
+            continue
+        if combine_by_key(comp, key, combine, threshold_bytes=threshold_bytes, threshold_count=threshold_count):
+            comp.sort_topologically()
+            changed = True
+    return changed
+
+
+# -- rewriting -------------------------------------------------------------------------------------------
+
+def result_shapes(instr: HloInstruction) -> list[Shape]:
+    """One result shape per operand of a synchronous collective (its tuple elements, or its shape)."""
+    return list(instr.shape.tuple_shapes) if instr.shape.is_tuple else [instr.shape]
+
+
+def swap_permutation(rank: int, a: int, b: int) -> tuple[int, ...]:
+    """The permutation of `range(rank)` that swaps `a` and `b` (its own inverse)."""
+    perm = list(range(rank))
+    perm[a], perm[b] = perm[b], perm[a]
+    return tuple(perm)
+
+
+def permuted_shape(shape: Shape, perm: Sequence[int]) -> Shape:
+    """The shape of `transpose(x), dimensions=perm` that keeps `x`'s bytes where they are (a
+    layout-preserving transpose, which XLA turns into a bitcast), as XLA's PermuteDimensions."""
+    dims = [shape.dims[p] for p in perm]
+    dynamic = [shape.is_dynamic_dim(p) for p in perm]
+    layout = None
+    if shape.layout is not None:
+        position = {old: new for new, old in enumerate(perm)}
+        layout = Layout((position[d] for d in shape.layout.minor_to_major), shape.layout.extra)
+    return Shape(shape.dtype, dims, dynamic, layout)
+
+
+def leaf_shardings(instr: HloInstruction) -> list[Sharding] | None:
+    """The sharding of each result element of `instr` (a single sharding on a tuple applies
+    to every element), None when it has no sharding."""
+    sharding = instr.attrs.get("sharding")
+    if not isinstance(sharding, Sharding):
+        return None
+    count = len(instr.shape.tuple_shapes) if instr.shape.is_tuple else 1
+    if sharding.kind == "tuple":
+        return list(sharding.elements) if len(sharding.elements) == count else None
+    return [sharding] * count
+
+
+def combined_sharding(members: Sequence[HloInstruction]) -> Sharding | None:
+    """The tuple sharding of a combined op, as XLA's CreateTupleSharding: each element keeps
+    its member's sharding, replicated where a member has none; None when no member has one."""
+    per_member = [leaf_shardings(m) for m in members]
+    if all(s is None for s in per_member):
+        return None
+    elements = []
+    for member, shardings in zip(members, per_member):
+        elements += shardings or [Sharding.replicated()] * member.operand_count
+    return Sharding.tuple_of(elements)
+
+
+def common_frontend_attributes(members: Sequence[HloInstruction]) -> FrontendAttributes | None:
+    """The frontend attributes every member has with the same value (None when there are none)."""
+    items = None
+    for member in members:
+        attrs = member.attrs.get("frontend_attributes")
+        if not isinstance(attrs, FrontendAttributes):
+            return None
+        items = list(attrs.items) if items is None else [item for item in items if item in attrs.items]
+    return FrontendAttributes(tuple(items)) if items else None
+
+
+def combined_attributes(members: Sequence[HloInstruction], dimension: int | None) -> dict:
+    """The attributes of the op that replaces `members`: the first member's communication
+    attributes and metadata (in its order), `dimension` as gather/scatter dimension, the
+    tuple of the members' shardings, the frontend attributes they share and the backend
+    config when all have the same one. Anything else (e.g. statistics) is dropped."""
+    first = members[0]
+    attrs = {key: value for key, value in first.attrs.items() if key in _COMMUNICATION_ATTRS or key == "metadata"}
+    if dimension is not None:
+        attrs["dimensions"] = (dimension,)
+    sharding = combined_sharding(members)
+    if sharding is not None:
+        attrs["sharding"] = sharding
+    frontend = common_frontend_attributes(members)
+    if frontend is not None:
+        attrs["frontend_attributes"] = frontend
+    config = first.attrs.get("backend_config")
+    if config is not None and all(_same_attr("backend_config", config, m.attrs.get("backend_config"))
+                                  for m in members):
+        attrs["backend_config"] = config
+    return attrs
+
+
+def _same_attr(key: str, a, b) -> bool:
+    return b is not None and format_value(key, a) == format_value(key, b)
+
+
+def replace_with_elements(old: HloInstruction, elements: Sequence[HloInstruction]) -> HloInstruction | None:
+    """Make every use of `old` use `elements` instead, and remove `old`.
+
+    An array-shaped `old` has one element, which takes its place. For a tuple-shaped `old`,
+    `get-tuple-element` users are replaced by the element they read; any other use (and the
+    root) gets a new `tuple` of the elements. Control successors of `old` wait for the
+    elements instead; its control predecessors are the caller's to place (they belong before
+    whatever computes the elements). Returns the instruction that took `old`'s place: the
+    element, the new tuple, or None when only `get-tuple-element`s used it.
+    """
+    comp = old.parent
+    replacement = None
+    if not old.shape.is_tuple:
+        replacement = elements[0]
+        old.replace_all_uses_with(replacement)
+    else:
+        for user in list(old.users):
+            if user.opcode == "get-tuple-element":
+                element = elements[int(user.attrs["index"])]
+                user.replace_all_uses_with(element)
+                for pred in user.control_predecessors:
+                    element.add_control_predecessor(pred)
+                _move_control_successors(user, [element])
+                comp.remove_instruction(user)
+        if old.users or old.is_root:
+            replacement = comp.add_instruction("tuple", elements, old.shape, after=elements[-1])
+            old.replace_all_uses_with(replacement)
+    _move_control_successors(old, elements)
+    comp.remove_instruction(old)
+    return replacement
+
+
+def _move_control_successors(old: HloInstruction, new: Sequence[HloInstruction]) -> None:
+    """Make whatever had to wait for `old` wait for all of `new` instead."""
+    for instr in old.parent.instructions:
+        if old in instr.control_predecessors:
+            kept = tuple(p for p in instr.control_predecessors if p is not old)
+            instr.attrs["control-predecessors"] = kept + tuple(n for n in new if n not in kept)
+
+
+def combine_collectives(members: Sequence[HloInstruction], dimension: int | None = None) -> HloInstruction:
+    """Replace `members` (collectives of one opcode and one key, none depending on another)
+    by one collective of all their operands, in order, and return it.
+
+    Its shape is the tuple of the members' result elements; each member's uses read the
+    matching `get-tuple-element`s (`replace_with_elements`). For all-gather and
+    reduce-scatter, `dimension` is the combined op's gather/scatter dimension: an operand of
+    a member that works on another dimension `d` is transposed (swapping `d` and
+    `dimension`) on the way in and its result transposed back, as XLA's combiners do with
+    bitcasts. The combined op waits for every member's control predecessors and keeps the
+    first member's metadata; a member's sharding and metadata stay on its replacement.
+    """
+    comp = members[0].parent
+    position = {instr: i for i, instr in enumerate(comp.instructions)}
+    anchor = max(members, key=position.__getitem__)
+    created = []
+
+    def add(opcode, operands, shape, **kwargs):
+        nonlocal anchor
+        anchor = comp.add_instruction(opcode, operands, shape, after=anchor, **kwargs)
+        created.append(anchor)
+        return anchor
+
+    operands, shapes, back_permutations = [], [], []
+    for member in members:
+        for operand, result in zip(member.operands, result_shapes(member)):
+            perm = None
+            if dimension is not None and collective_dimension(member) != dimension:
+                perm = swap_permutation(operand.shape.rank, collective_dimension(member), dimension)
+                operand = add("transpose", [operand], permuted_shape(operand.shape, perm), attrs={"dimensions": perm})
+                result = permuted_shape(result, perm)
+            operands.append(operand)
+            shapes.append(result)
+            back_permutations.append(perm)
+
+    combined = add(members[0].opcode, operands, Shape.tuple(shapes), attrs=combined_attributes(members, dimension))
+    predecessors = [p for m in members for p in m.control_predecessors]
+    if predecessors:
+        combined.attrs["control-predecessors"] = tuple(dict.fromkeys(predecessors))
+
+    index = 0
+    for member in members:
+        elements = []
+        for _ in range(member.operand_count):
+            element = add("get-tuple-element", [combined], shapes[index], attrs={"index": index})
+            perm = back_permutations[index]
+            if perm is not None:
+                element = add("transpose", [element], permuted_shape(element.shape, perm), attrs={"dimensions": perm})
+            elements.append(element)
+            index += 1
+        own_attrs = {key: member.attrs[key] for key in ("sharding", "metadata") if key in member.attrs}
+        replacement = replace_with_elements(member, elements)
+        if replacement is not None and own_attrs:
+            replacement.attrs.update(own_attrs)
+    ordering = {p for instr in comp.instructions for p in instr.control_predecessors}
+    for instr in reversed(created):  # elements of tuple members that nothing reads
+        if not instr.users and not instr.is_root and instr is not combined and instr not in ordering:
+            comp.remove_instruction(instr)
+    return combined
+
+
+def most_frequent_dimension(members: Iterable[HloInstruction]) -> int:
+    """The gather/scatter dimension most operands of `members` use (the smallest on a tie), as
+    XLA picks the dimension of a combined op (XLA counts members; a tuple-shaped member
+    counts once per operand here); 0 when some operand has too few dimensions."""
+    members = list(members)
+    counts = Counter()
+    for member in members:
+        counts[collective_dimension(member)] += member.operand_count
+    best = min(counts, key=lambda d: (-counts[d], d))
+    min_rank = min(operand.shape.rank for member in members for operand in member.operands)
+    return best if best < min_rank else 0
+
+
+def combine_along_most_frequent_dimension(members: Sequence[HloInstruction]) -> HloInstruction:
+    """Combine all-gathers or reduce-scatters along the dimension most of their operands use,
+    transposing the others there and back (`combine_collectives`)."""
+    return combine_collectives(members, dimension=most_frequent_dimension(members))

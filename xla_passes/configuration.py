@@ -1,0 +1,147 @@
+"""What the user asked for: the pipeline, stage, dump directory and strictness.
+
+Each setting comes from an environment variable or, in absl programs that
+import `xla_passes.flags`, from a flag given on the command line (a flag wins
+over its variable):
+
+| setting | environment        | absl flag              |
+| ------- | ------------------ | ---------------------- |
+| passes  | XLA_PASSES         | --xla_passes           |
+| stage   | XLA_PASSES_STAGE   | --xla_passes_stage     |
+| dump_to | XLA_PASSES_DUMP_TO | --xla_passes_dump_to   |
+| strict  | XLA_PASSES_STRICT  | --xla_passes_strict    |
+
+One module reads them so that the JAX plugin and the TensorFlow adapter agree
+on what a setting means. Nothing here imports JAX, TensorFlow or absl.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Mapping
+
+from .core import PassError, registered_passes
+from .pipeline import parse_pipeline
+
+PRE_SCHEDULER = "pre_scheduler"
+POST_SCHEDULER = "post_scheduler"
+STAGES = (PRE_SCHEDULER, POST_SCHEDULER)
+
+# Where the JAX adapter hooks in when no platform is named: every backend JAX can start.
+ALL_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+
+# setting -> (environment variable, absl flag name)
+SOURCES = {
+    "passes": ("XLA_PASSES", "xla_passes"),
+    "stage": ("XLA_PASSES_STAGE", "xla_passes_stage"),
+    "dump_to": ("XLA_PASSES_DUMP_TO", "xla_passes_dump_to"),
+    "strict": ("XLA_PASSES_STRICT", "xla_passes_strict"),
+}
+STRICT_VARIABLE = SOURCES["strict"][0]
+
+_TRUE_WORDS = ("1", "true", "yes", "on")
+_FALSE_WORDS = ("", "0", "false", "no", "off")
+
+
+class ConfigurationError(PassError):
+    """A setting has a bad value; `strict` tells whether the user also asked for errors to be raised."""
+
+    def __init__(self, message: str, strict: bool):
+        super().__init__(message)
+        self.strict = strict
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """A checked configuration: building one validates the pipeline text and the stage.
+
+    Frozen, so that a compile running in one thread never sees half of a change
+    made in another.
+    """
+
+    passes: str
+    stage: str = PRE_SCHEDULER
+    dump_to: str | None = None
+    strict: bool = False
+    platforms: tuple[str, ...] | str | None = ALL_PLATFORMS
+
+    def __post_init__(self):
+        platforms = ALL_PLATFORMS if self.platforms is None else self.platforms
+        object.__setattr__(self, "platforms", (platforms,) if isinstance(platforms, str) else tuple(platforms))
+        object.__setattr__(self, "passes", self.passes.strip())
+        object.__setattr__(self, "stage", self.stage.strip().lower())
+        object.__setattr__(self, "dump_to", self.dump_to or None)
+        if self.stage not in STAGES:
+            raise PassError(f"stage {self.stage!r} is not one of {', '.join(STAGES)}")
+        try:
+            parse_pipeline(self.passes)
+        except PassError as exc:
+            message = f"{self.passes!r} is not a valid pipeline: {exc}"
+            if "valid passes" not in message:
+                message += f" (valid passes: {', '.join(registered_passes())})"
+            raise PassError(message, exc.pass_name) from exc
+
+
+def settings_from_environment(environ: Mapping[str, str] | None = None) -> Settings | None:
+    """The settings the `XLA_PASSES*` variables ask for; None when `XLA_PASSES` is unset or empty.
+
+    Raises:
+      ConfigurationError: a variable has a bad value (the message names it).
+    """
+    return settings_from(environment_values(environ))
+
+
+def configured_settings() -> Settings | None:
+    """The settings in force for a new compile: the environment, overridden by given absl flags.
+
+    The flags count only when the program imported `xla_passes.flags` and absl
+    has parsed its command line.
+
+    Raises:
+      ConfigurationError: a variable or flag has a bad value (the message names it).
+    """
+    values = environment_values()
+    flags_module = sys.modules.get("xla_passes.flags")
+    if flags_module is not None:
+        values.update(flags_module.given_values())
+    return settings_from(values)
+
+
+def environment_values(environ: Mapping[str, str] | None = None) -> dict[str, tuple[object, str]]:
+    """`{setting: (value, variable)}` for the `XLA_PASSES*` variables that are set and not empty."""
+    environ = os.environ if environ is None else environ
+    return {setting: (environ[variable], variable)
+            for setting, (variable, _) in SOURCES.items() if environ.get(variable)}
+
+
+def settings_from(values: Mapping[str, tuple[object, str]]) -> Settings | None:
+    """Settings from `{setting: (value, where it was given)}`; None when no passes are named.
+
+    `where` (`XLA_PASSES`, `--xla_passes`, ...) is for error messages.
+    """
+    strict = _strict(values)
+    passes, _ = values.get("passes", ("", ""))
+    if not str(passes).strip():
+        return None
+    stage, _ = values.get("stage", (PRE_SCHEDULER, ""))
+    dump_to, _ = values.get("dump_to", (None, ""))
+    try:
+        return Settings(str(passes), stage=str(stage), dump_to=dump_to, strict=strict)
+    except PassError as exc:
+        given = " ".join(f"{where}={value!r}" for value, where in
+                         (values[s] for s in ("passes", "stage") if s in values))
+        raise ConfigurationError(f"{given}: {exc}", strict) from exc
+
+
+def _strict(values: Mapping[str, tuple[object, str]]) -> bool:
+    """The strict setting; a value that is neither yes nor no is an error, raised strictly."""
+    value, where = values.get("strict", (False, ""))
+    if isinstance(value, bool):
+        return value
+    lowered = str(value).strip().lower()
+    if lowered in _TRUE_WORDS:
+        return True
+    if lowered in _FALSE_WORDS:
+        return False
+    raise ConfigurationError(f"{where}={value!r} is not a yes/no value (use 1 or 0)", strict=True)

@@ -1,0 +1,239 @@
+"""Run xla_passes pipelines inside JAX's own XLA compiles, with no change to the program.
+
+    import xla_passes.jax
+    xla_passes.jax.enable("collective-fusion")      # every later jax.jit compile
+    with xla_passes.jax.enable("cse,dce", dump_to="/tmp/dump"):
+        ...                                         # only inside the block
+
+XLA hands the module of every compile to a hook registered with
+`jax.extend.xla.register_hlo_module_transformation` (at the PRE_SCHEDULER stage
+by default: the per-device module after SPMD partitioning and fusion). The hook
+turns the serialized `HloModuleProto` into text, runs the pipeline on the
+`hlo_tools` IR, and hands XLA the new module, or nothing when no pass changed
+it. The installed JAX plugin (`xla_passes.jax_plugin`) switches passes on from
+the `XLA_PASSES` environment variable (or `--xla_passes`, see
+`xla_passes.flags`) when JAX starts its backends.
+
+Failures never break a user's compile: a pass that fails is logged as one
+warning on the "xla_passes" logger and XLA compiles the original module, unless
+`strict` asks for the compile to fail instead.
+
+XLA may compile several modules at once on its own threads. The hook keeps no
+state between modules except a process-wide module counter (under a lock); the
+settings it reads are an immutable object swapped in one assignment.
+
+JAX caches compiled functions: switching passes on or off affects compiles that
+happen afterwards, not functions already compiled (`jax.clear_caches()` forgets
+those).
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+import hlo_tools
+from hlo_tools import xla_bridge
+
+from .configuration import (ALL_PLATFORMS, PRE_SCHEDULER, STRICT_VARIABLE, ConfigurationError, Settings,
+                            configured_settings)
+from .core import PassError
+from .pipeline import Pipeline
+
+logger = logging.getLogger("xla_passes")
+
+HOOK_NAME = "xla_passes"
+
+# The settings every hook reads; replaced whole, never changed in place.
+_active: Settings | None = None
+# A configuration error that `strict` turns into a failure of every compile.
+_refusal: PassError | None = None
+# Whether this process chose its settings itself (enable/disable/absl flag), which the
+# environment read at JAX's backend start must then not override.
+_configured_in_process = False
+_switch_lock = threading.Lock()
+# (stage, platform) pairs where XLA calls our hook.
+_installed: set[tuple[str, str]] = set()
+
+_module_numbers = itertools.count()
+_module_number_lock = threading.Lock()
+
+
+def _next_module_number() -> int:
+    """The NNNN of `module_NNNN.*` dump files: unique in the process, whatever thread compiles."""
+    with _module_number_lock:
+        return next(_module_numbers)
+
+
+class _PreviousSettings:
+    """What `enable` returns: in a `with` statement, the settings before it come back on exit."""
+
+    def __init__(self, previous: Settings | None):
+        self._previous = previous
+
+    def __enter__(self) -> Settings | None:
+        return _active
+
+    def __exit__(self, *exc_info) -> None:
+        _switch(self._previous)
+
+
+def enable(passes: str, *, stage: str = PRE_SCHEDULER, dump_to: str | None = None,
+           strict: bool = False, platforms: str | Sequence[str] | None = None) -> _PreviousSettings:
+    """Run `passes` in every XLA compile from now on, replacing any earlier settings.
+
+    Args:
+      passes: pipeline text, e.g. "collective-fusion,dce" (checked now).
+      stage: "pre_scheduler" (after SPMD partitioning and fusion) or
+        "post_scheduler" (after XLA scheduled the module).
+      dump_to: directory for `module_NNNN.<name>.before_xla_passes.txt` and
+        `module_NNNN.<name>.KKKK.after_<pass>.txt` of every compiled module.
+      strict: make a failing pass fail the compile instead of logging a warning.
+      platforms: a platform name or names ("cpu", "cuda", "rocm", "tpu");
+        None means all of them.
+
+    Returns:
+      A context manager that puts the previous settings back on exit; ignore it
+      to keep the passes on.
+
+    Raises:
+      PassError: bad pipeline text (the message lists the valid passes) or stage.
+    """
+    settings = Settings(passes, stage=stage, dump_to=dump_to, strict=strict, platforms=platforms)
+    previous = _active
+    _switch(settings)
+    return _PreviousSettings(previous)
+
+
+def disable() -> None:
+    """Stop running passes in XLA compiles (a no-op when none are on)."""
+    _switch(None)
+
+
+def enabled() -> Settings | None:
+    """The settings in force, or None when no passes run."""
+    return _active
+
+
+def enable_configured() -> None:
+    """Apply the `XLA_PASSES*` variables and `--xla_passes*` flags, unless this process chose its own settings.
+
+    The JAX plugin calls this when JAX starts its backends, which must never
+    fail because of us: a bad value logs one warning and switches nothing on.
+    With `XLA_PASSES_STRICT=1` it raises instead, and every later compile fails
+    with the same error (JAX logs and ignores exceptions from plugins, and a
+    strict user wants the program stopped, not run without the passes).
+    """
+    global _refusal
+    with _switch_lock:
+        if _configured_in_process:
+            return
+    try:
+        settings = configured_settings()
+    except ConfigurationError as exc:
+        if not exc.strict:
+            logger.warning("xla_passes: %s; no passes enabled", exc)
+            return
+        with _switch_lock:
+            _refusal = exc
+            _install(PRE_SCHEDULER, ALL_PLATFORMS)
+        raise
+    if settings is not None:
+        _switch(settings, explicit=False)
+
+
+def apply(settings: Settings | None) -> None:
+    """Make `settings` the ones in force (None: no passes), as `enable` and `disable` do."""
+    _switch(settings)
+
+
+def _switch(settings: Settings | None, explicit: bool = True) -> None:
+    """Make `settings` the ones every hook reads, and have XLA call the hook where they need it."""
+    global _active, _refusal, _configured_in_process
+    with _switch_lock:
+        _refusal = None
+        if settings is None:
+            _uninstall_cpu()
+        else:
+            _install(settings.stage, settings.platforms)
+        _active = settings
+        _configured_in_process |= explicit
+
+
+def _jax_xla():
+    from jax.extend import xla  # noqa: PLC0415 - only when passes are switched on
+
+    return xla
+
+
+def _install(stage: str, platforms: tuple[str, ...]) -> None:
+    """Register the hook for `stage` on `platforms` where it is not yet registered.
+
+    The CPU hook is registered in-process and removed when passes go off or
+    move to the other stage. Hooks for other platforms go through JAX's
+    backend-start callbacks, which cannot be taken back, so they stay for the
+    life of the process and return "unchanged" whenever the settings do not
+    ask for them. Registering a name twice would run the hook twice, hence the
+    bookkeeping in `_installed`.
+    """
+    xla = _jax_xla()
+    for other_stage in {s for s, p in _installed if p == "cpu" and s != stage}:
+        xla.clear_hlo_module_transformation(HOOK_NAME, xla.PipelineStage[other_stage.upper()], platforms="cpu")
+        _installed.discard((other_stage, "cpu"))
+    if "cpu" not in platforms:
+        _uninstall_cpu()
+    for platform in platforms:
+        if (stage, platform) not in _installed:
+            xla.register_hlo_module_transformation(
+                functools.partial(_transform, stage, platform), name=HOOK_NAME,
+                stage=xla.PipelineStage[stage.upper()], platforms=platform)
+            _installed.add((stage, platform))
+
+
+def _uninstall_cpu() -> None:
+    """Take the CPU hook away at every stage, so that compiles without passes pay nothing."""
+    for stage in {s for s, p in _installed if p == "cpu"}:
+        xla = _jax_xla()
+        xla.clear_hlo_module_transformation(HOOK_NAME, xla.PipelineStage[stage.upper()], platforms="cpu")
+        _installed.discard((stage, "cpu"))
+
+
+def _transform(stage: str, platform: str, module_proto: bytes) -> bytes | None:
+    """The hook XLA calls with each module: new module bytes, or None for "unchanged"."""
+    if _refusal is not None:
+        raise PassError(f"{_refusal} (compiles fail because {STRICT_VARIABLE} is set)")
+    settings = _active
+    if settings is None or settings.stage != stage or platform not in settings.platforms:
+        return None
+    return rewrite_module(module_proto, settings)
+
+
+def rewrite_module(module_proto: bytes, settings: Settings) -> bytes | None:
+    """Run the pipeline of `settings` on one serialized module; None when nothing changed.
+
+    A failure returns None after one warning, so that XLA compiles the original
+    module, or raises when `settings.strict`.
+    """
+    number = _next_module_number()
+    name = "<unparsed>"
+    start = time.perf_counter()
+    try:
+        module = hlo_tools.parse_module(xla_bridge.proto_to_text(module_proto))
+        name = module.name
+        pipeline = Pipeline(settings.passes, dump_to=settings.dump_to, module_number=number)
+        changed = pipeline.run(module)
+        result = xla_bridge.text_to_proto(module.to_text()) if changed else None
+    except Exception as exc:
+        if settings.strict:
+            raise
+        logger.warning("xla_passes: module_%04d %s: %s: %s; XLA compiles the module unchanged "
+                       "(%s=1 makes this an error)", number, name, type(exc).__name__, exc, STRICT_VARIABLE)
+        return None
+    changed_by = [run.name for run in pipeline.log if run.changed]
+    logger.info("xla_passes: module_%04d %s: %s in %.1f ms", number, name,
+                f"changed by {', '.join(changed_by)}" if changed_by else "unchanged",
+                1e3 * (time.perf_counter() - start))
+    return result

@@ -1,0 +1,194 @@
+"""`all-reduce-decomposer`: all-reduce -> reduce-scatter + all-gather over the same groups.
+
+An all-reduce moves its data twice over the links of a ring anyway (reduce-scatter phase, then
+all-gather phase); writing the two phases as separate collectives lets later passes schedule,
+combine or re-group them apart (the TPU-pod papers, arXiv 1909.09756 and 2011.03641, build
+their 2-D gradient summation from them; `all-reduce-2d` does that). The operand is flattened to
+1-D so that any shape splits into one shard per group member, and zero-padded to a multiple of
+the group size when its element count does not divide (the padding is reduced among itself
+only, then sliced off, so its value never matters)::
+
+    ar = f32[5,3] all-reduce(p), replica_groups={{0,1,2,3},{4,5,6,7}}, to_apply=add
+  =>
+    ar.flat = f32[15]{0} reshape(p)
+    ar.zero = f32[] constant(0)
+    ar.pad = f32[16]{0} pad(ar.flat, ar.zero), padding=0_1
+    ar.reduce-scatter = f32[4]{0} reduce-scatter(ar.pad), replica_groups={{0,1,2,3},{4,5,6,7}},
+        dimensions={0}, to_apply=add
+    ar.all-gather = f32[16]{0} all-gather(ar.reduce-scatter), replica_groups={{0,1,2,3},{4,5,6,7}},
+        dimensions={0}
+    ar.slice = f32[15]{0} slice(ar.all-gather), slice={[0:15]}
+    ar.reshape = f32[5,3] reshape(ar.slice)
+
+Groups and their meaning stay as written (see `xla_passes.replica_groups`): no channel_id
+stays cross-replica; with a channel_id both new collectives get fresh channel ids (unique in the
+module, above the largest one used) and keep `use_global_device_ids`. A tuple (combined)
+all-reduce becomes one reduce-scatter and one all-gather, as few collectives as the combiner
+left: its elements are flattened and concatenated into one buffer, padded once, and sliced
+apart afterwards into a tuple.
+
+Left alone, on purpose:
+  * all-reduce-start/done (and all-reduce wrapped in async-start): the decomposition targets
+    the synchronous op; turning collectives asynchronous is a later, scheduling decision;
+  * all-reduces smaller than `min_bytes` (result bytes, summed over a tuple), over groups of one
+    device, or over groups of different sizes (XLA allows that for all-reduce only);
+  * ones whose group size depends on a count the module header does not give (empty
+    `replica_groups={}`, or a channel_id without use_global_device_ids, which counts every
+    partition: text from a pass hook has no `num_partitions=`);
+  * ones with control dependencies, `constrain_layout=true`, dynamic or zero-element shapes,
+    or a tuple of several element types (one reduction computation cannot serve two types;
+    XLA refuses such an all-reduce when it compiles).
+Metadata (and frontend attributes) of the all-reduce go to every new instruction; its sharding
+goes to the instruction that replaces it.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from hlo_tools import HloInstruction, HloModule, Literal, PaddingConfig, ReplicaGroups, Shape, SliceSpec
+from hlo_tools.shape import COMPLEX_DTYPES
+from hlo_tools.shape_inference import attr_bool, attr_int
+
+from ..collectives import combinable_computations, result_shapes
+from ..core import HloPass, register_pass
+from ..replica_groups import DeviceCounts, GroupMode, group_mode, participant_groups, uniform_group_size
+
+# Attributes that describe where an instruction came from; every derived instruction keeps them.
+_PROVENANCE_ATTRS = ("metadata", "frontend_attributes")
+# The padding value's literal where it is not `0`.
+_ZERO = {"pred": "false", **{dtype: "(0, 0)" for dtype in COMPLEX_DTYPES}}
+
+
+@register_pass
+class AllReduceDecomposer(HloPass):
+    """Rewrite all-reduce as reduce-scatter then all-gather over the same replica groups."""
+
+    name = "all-reduce-decomposer"
+    min_bytes: int = 0
+
+    def run(self, module: HloModule) -> bool:
+        counts = DeviceCounts.of(module)
+        channel_ids = ChannelIds(module)
+        changed = False
+        for all_reduce in decomposable_all_reduces(module, self.min_bytes):
+            groups = participant_groups(all_reduce, counts)
+            group_size = uniform_group_size(groups) if groups else None
+            if group_size is None or group_size == 1:
+                continue
+            same_groups = Addressing.of(all_reduce)
+            replace_by_shard_reduction(all_reduce, group_size, same_groups, None, channel_ids)
+            changed = True
+        return changed
+
+
+class ChannelIds:
+    """Hands out channel ids no instruction of the module uses yet (counting up from the largest)."""
+
+    def __init__(self, module: HloModule):
+        self._last = max((attr_int(instr.attrs, "channel_id") for instr in module.instructions()
+                          if instr.attrs.get("channel_id") is not None), default=0)
+
+    def fresh(self) -> int:
+        self._last += 1
+        return self._last
+
+
+@dataclasses.dataclass(frozen=True)
+class Addressing:
+    """How a new collective names its participants: the groups and the mode they are read in."""
+
+    replica_groups: ReplicaGroups | None
+    mode: GroupMode
+
+    @staticmethod
+    def of(instr: HloInstruction) -> "Addressing":
+        """The addressing of an existing collective, groups exactly as written."""
+        return Addressing(instr.attrs.get("replica_groups"), group_mode(instr))
+
+    def attrs(self, opcode: str, channel_ids: ChannelIds) -> dict:
+        """The attributes of a new `opcode` (all-reduce, or reduce-scatter/all-gather along
+        dimension 0) that name its participants, with a fresh channel id, in XLA's printing order."""
+        attrs = {}
+        if self.mode is not GroupMode.CROSS_REPLICA:
+            attrs["channel_id"] = channel_ids.fresh()
+        if self.replica_groups is not None:
+            attrs["replica_groups"] = self.replica_groups
+        global_ids = {"use_global_device_ids": True} if self.mode is GroupMode.FLATTENED_ID else {}
+        if opcode == "all-gather":
+            return {**attrs, "dimensions": (0,), **global_ids}
+        if opcode == "reduce-scatter":
+            return {**attrs, **global_ids, "dimensions": (0,)}
+        return {**attrs, **global_ids}
+
+
+def decomposable_all_reduces(module: HloModule, min_bytes: int) -> list[HloInstruction]:
+    """The synchronous all-reduces a shard-wise rewrite may replace (the module docstring says
+    which are left alone), in every computation but fusion bodies and async-wrapped ones."""
+    controlled = {pred for instr in module.instructions() for pred in instr.control_predecessors}
+    found = []
+    for comp in combinable_computations(module):
+        for instr in comp.instructions:
+            if (instr.opcode == "all-reduce" and instr.shape.byte_size >= min_bytes
+                    and not instr.control_predecessors and instr not in controlled
+                    and not attr_bool(instr.attrs, "constrain_layout")
+                    and all(op.shape.is_array and not op.shape.is_dynamic and op.shape.element_count
+                            for op in instr.operands)
+                    and len({op.shape.dtype for op in instr.operands}) == 1):
+                found.append(instr)
+    return found
+
+
+def replace_by_shard_reduction(all_reduce: HloInstruction, shard_count: int, scatter: Addressing,
+                               middle: Addressing | None, channel_ids: ChannelIds) -> HloInstruction:
+    """Replace `all_reduce` by reduce-scatter -> [all-reduce] -> all-gather of one flat buffer.
+
+    The buffer is the operands flattened, concatenated and zero-padded to a multiple of
+    `shard_count`, the size of `scatter`'s groups, which the reduce-scatter and the all-gather
+    use; `middle`, when given, is an all-reduce of the shard (over other groups) between them.
+    Returns the instruction that took the all-reduce's place.
+    """
+    comp = all_reduce.parent
+    provenance = {key: value for key, value in all_reduce.attrs.items() if key in _PROVENANCE_ATTRS}
+    reducer = all_reduce.attrs["to_apply"]
+
+    def add(opcode: str, operands, shape: Shape | None = None, *, role: str | None = None, literal=None,
+            **attrs) -> HloInstruction:
+        return comp.add_instruction(opcode, operands, shape, name=f"{all_reduce.name}.{role or opcode}",
+                                    attrs={**attrs, **provenance}, literal=literal, before=all_reduce)
+
+    dtype = all_reduce.operand(0).shape.dtype
+    pieces = [op if op.shape.rank == 1 else add("reshape", [op], _vector(dtype, op.shape.element_count), role="flat")
+              for op in all_reduce.operands]
+    buffer = pieces[0] if len(pieces) == 1 else add("concatenate", pieces, dimensions=(0,))
+    size = buffer.shape.dims[0]
+    padded_size = -(-size // shard_count) * shard_count
+    if padded_size != size:
+        scalar = Shape.array(dtype, ())
+        zero = add("constant", (), scalar, role="zero", literal=Literal.parse(scalar, _ZERO.get(dtype, "0")))
+        buffer = add("pad", [buffer, zero], padding=PaddingConfig(((0, padded_size - size, 0),)))
+    shard_shape = _vector(dtype, padded_size // shard_count)
+    shard = add("reduce-scatter", [buffer], shard_shape, **scatter.attrs("reduce-scatter", channel_ids),
+                to_apply=reducer)
+    if middle is not None:
+        shard = add("all-reduce", [shard], shard_shape, **middle.attrs("all-reduce", channel_ids), to_apply=reducer)
+    gathered = add("all-gather", [shard], buffer.shape, **scatter.attrs("all-gather", channel_ids))
+
+    results, offset = [], 0
+    for shape in result_shapes(all_reduce):
+        count = shape.element_count
+        piece = gathered
+        if count != padded_size:
+            piece = add("slice", [gathered], slice=SliceSpec(((offset, offset + count, 1),)))
+        results.append(piece if shape.rank == 1 else add("reshape", [piece], shape))
+        offset += count
+
+    replacement = add("tuple", results) if all_reduce.shape.is_tuple else results[0]
+    if "sharding" in all_reduce.attrs:
+        replacement.attrs["sharding"] = all_reduce.attrs["sharding"]
+    all_reduce.replace_all_uses_with(replacement)
+    comp.remove_instruction(all_reduce)
+    return replacement
+
+
+def _vector(dtype: str, size: int) -> Shape:
+    return Shape.array(dtype, (size,), layout=(0,))

@@ -1,0 +1,64 @@
+"""`cse`: common-subexpression elimination.
+
+Two instructions of one computation are merged when they compute the same thing:
+same opcode, shape, operands (after merging theirs), literal, called
+computations and attributes other than `metadata`. Instructions with side
+effects, parameters, instructions with control dependencies and copies are left
+alone (XLA inserts copies on purpose to keep buffers apart; merging them makes
+its CPU runtime abort on duplicate buffers)::
+
+    a = f32[8] multiply(p, p)                 a = f32[8] multiply(p, p)
+    b = f32[8] multiply(p, p)         =>      ROOT r = f32[8] add(a, a)
+    ROOT r = f32[8] add(a, b)
+"""
+from __future__ import annotations
+
+from hlo_tools import HloComputation, HloModule
+from hlo_tools.opcodes import has_side_effect
+from hlo_tools.printer import format_value
+
+from ..core import HloPass, register_pass
+
+_NEVER_MERGED = frozenset({"parameter", "copy", "copy-start", "copy-done"})
+
+# Attributes that describe where an instruction came from, not what it computes.
+_IGNORED_ATTRS = frozenset({"metadata"})
+
+
+@register_pass
+class CommonSubexpressionElimination(HloPass):
+    """Merge instructions that compute the same value from the same operands."""
+
+    name = "cse"
+
+    def run(self, module: HloModule) -> bool:
+        changed = False
+        for comp in module.computations:
+            changed |= _cse_computation(comp)
+        return changed
+
+
+def _cse_computation(comp: HloComputation) -> bool:
+    controlled = {p for instr in comp.instructions for p in instr.control_predecessors}
+    seen = {}
+    duplicates = []
+    for instr in comp.post_order():
+        if (instr.opcode in _NEVER_MERGED or has_side_effect(instr) or instr.control_predecessors
+                or instr in controlled):
+            continue
+        key = _identity(instr)
+        first = seen.setdefault(key, instr)
+        if first is not instr:
+            instr.replace_all_uses_with(first)
+            duplicates.append(instr)
+    for instr in duplicates:
+        comp.remove_instruction(instr)
+    return bool(duplicates)
+
+
+def _identity(instr) -> tuple:
+    """What makes two instructions interchangeable (operands by identity, so post order matters)."""
+    attrs = tuple(sorted((key, format_value(key, value)) for key, value in instr.attrs.items()
+                         if key not in _IGNORED_ATTRS))
+    literal = str(instr.literal) if instr.literal is not None else None
+    return (instr.opcode, str(instr.shape), tuple(id(o) for o in instr.operands), literal, attrs)

@@ -1,0 +1,43 @@
+"""`reduce-scatter-combiner`: combine independent reduce-scatters into one tuple-shaped op.
+
+As XLA's ReduceScatterCombiner::
+
+    a = f32[2,4] reduce-scatter(x), replica_groups={{0,1,2,3}}, dimensions={0}, to_apply=add
+    b = f32[1] reduce-scatter(y), replica_groups={{0,1,2,3}}, dimensions={0}, to_apply=add
+                                  =>
+    reduce-scatter = (f32[2,4], f32[1]) reduce-scatter(x, y), replica_groups={{0,1,2,3}}, dimensions={0}, to_apply=add
+    get-tuple-element = f32[2,4] get-tuple-element(reduce-scatter), index=0
+    get-tuple-element.1 = f32[1] get-tuple-element(reduce-scatter), index=1
+
+Reduce-scatters combine when they have the same replica groups, channel-id presence,
+`use_global_device_ids` and reduction computation (structurally), and neither depends on
+the other. `combine_by_dim` is as in `all-gather-combiner` (operands of other dimensions are
+transposed to the shared one and back). Thresholds count result bytes (the scattered
+shards), as XLA's do; tuple inputs, async forms and the computations visited are as in
+`all-reduce-combiner`. XLA copies the first member's sharding onto the combined op; here it
+gets the tuple of every member's sharding, as the other two combiners do.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+from hlo_tools import HloModule
+
+from ..collectives import collective_key, combine_along_most_frequent_dimension, run_combiner
+from ..core import HloPass, register_pass
+from .all_reduce_combiner import DEFAULT_THRESHOLD_BYTES, DEFAULT_THRESHOLD_COUNT
+
+
+@register_pass
+class ReduceScatterCombiner(HloPass):
+    """Combine independent reduce-scatters of one kind into tuple-shaped reduce-scatters."""
+
+    name = "reduce-scatter-combiner"
+    threshold_bytes: int = DEFAULT_THRESHOLD_BYTES
+    threshold_count: int = DEFAULT_THRESHOLD_COUNT
+    combine_by_dim: bool = True
+
+    def run(self, module: HloModule) -> bool:
+        return run_combiner(module, "reduce-scatter", partial(collective_key, by_dimension=self.combine_by_dim),
+                            combine_along_most_frequent_dimension, threshold_bytes=self.threshold_bytes,
+                            threshold_count=self.threshold_count)

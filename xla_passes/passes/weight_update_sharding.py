@@ -1,0 +1,989 @@
+"""`weight-update-sharding`: shard the optimizer update across data-parallel devices.
+
+Xu et al. 2020 (arXiv 2004.13336). In data-parallel training every device all-reduces
+the gradients and then runs the same optimizer update on the full weights and
+optimizer state. This pass turns the all-reduce into a reduce-scatter, has each
+device update only its slice of the weights and state (dynamic-slice at an offset
+computed from its replica-id/partition-id and the replica groups), and all-gathers
+the updated values: the same bytes on the wire, 1/N of the update's work and
+temporaries per device. Momentum SGD on 8 replicas (scalar broadcasts written inline)::
+
+    g  = f32[64,16] all-reduce(grad), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=add
+    m1 = f32[64,16] add(multiply(m, broadcast(0.9)), g)
+    w1 = f32[64,16] subtract(w, multiply(m1, broadcast(0.1)))
+    ROOT out = (f32[64,16], f32[64,16]) tuple(w1, m1)
+
+becomes (the update's instructions keep their names and now compute shards)::
+
+    g.scatter    = f32[8,16] reduce-scatter(grad), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, to_apply=add
+    shard_index  = s32[] convert(replica-id())
+    shard_offset = s32[] multiply(shard_index, shard_size)          // shard_size = 8
+    m.shard      = f32[8,16] dynamic-slice(m, shard_offset, zero), dynamic_slice_sizes={8,16}
+    w.shard      = f32[8,16] dynamic-slice(w, shard_offset, zero), dynamic_slice_sizes={8,16}
+    m1           = f32[8,16] add(multiply(m.shard, broadcast(0.9)), g.scatter)
+    w1           = f32[8,16] subtract(w.shard, multiply(m1, broadcast(0.1)))
+    w1.gathered  = f32[64,16] all-gather(w1), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+    m1.gathered  = f32[64,16] all-gather(m1), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+    ROOT out = (f32[64,16], f32[64,16]) tuple(w1.gathered, m1.gathered)
+
+What is sharded is found by walking the graph, not by matching optimizers: from each
+all-reduce of a floating-point gradient (an array all-reduce, a leaf of a combined
+tuple all-reduce, or an all-reduce of an all-reduced value as JAX emits for pmean of
+an invariant gradient), the update region grows through elementwise instructions of
+the gradient's shape (and `kLoop` fusions made only of such instructions), forward to
+its users and backward to operands used only inside it. Inside the region every value
+becomes its shard (in place: a new shape and new operands); scalar broadcasts stay
+broadcasts; other full-size operands, which must be the same on every device of the
+group (weights, optimizer state), are dynamic-sliced. Values leaving the step (through
+the root) are all-gathered; a full reduction (global-norm clipping, LAMB/LARS trust
+ratios) becomes a reduction of the shard plus an all-reduce of the partial results; a
+fusion that computes such norms is inlined first. Anything else keeps the weight
+replicated, with the reason in the report (`pass.report`, and the `xla_passes` logger).
+docs/weight_update_sharding.md has the options, the report and the limits.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import re
+
+import numpy as np
+
+from hlo_tools import HloComputation, HloInstruction, HloModule, Shape
+from hlo_tools.attributes import PaddingConfig, ReplicaGroups, Sharding, SliceSpec
+from hlo_tools.literal import Literal, numpy_dtype
+from hlo_tools.opcodes import ELEMENTWISE, has_side_effect
+from hlo_tools.shape import FLOAT_DTYPES
+from hlo_tools.shape_inference import infer_shape
+
+from ..core import HloPass, register_pass
+from ..replica_groups import DeviceCounts
+from ..replication_analysis import REPLICA_IDS, ReplicationAnalysis, participants
+
+logger = logging.getLogger("xla_passes")
+
+# Instructions that pass a value on unchanged in content on its way out of the step.
+_FORWARDING = frozenset({"tuple", "reshape", "bitcast", "copy"})
+# Reducers whose partial results combine with an all-reduce, with their identity element.
+_REDUCER_IDENTITY = {"add": 0.0, "multiply": 1.0, "maximum": -math.inf, "minimum": math.inf,
+                     "and": True, "or": False}
+
+
+@dataclasses.dataclass
+class WeightReport:
+    """What the pass did with one weight: the update region of one gradient all-reduce.
+
+    `weights` are the full-size values the update reads besides the gradient (the
+    weight and its optimizer state), named after the parameters they come from.
+    """
+
+    computation: str
+    gradient: str
+    shape: str
+    weights: tuple[str, ...]
+    sharded: bool
+    group_size: int = 0
+    dimension: int | None = None   # the dimension split across the group; None when flattened
+    padding: int = 0               # elements added so that the flattened weight splits evenly
+    shard_bytes: int = 0           # bytes of one device's shard of the gradient
+    reason: str = ""               # why the weight stayed replicated
+    signature: str = ""            # persistent: the parameters and outputs that became shards
+
+    def __str__(self) -> str:
+        what = f"{self.gradient} {self.shape}"
+        if self.weights:
+            what += f" ({', '.join(self.weights)})"
+        if not self.sharded:
+            return f"weight-update-sharding: kept {what}: {self.reason}"
+        how = f"dimension {self.dimension}" if self.dimension is not None else (
+            f"flattened with {self.padding} elements of padding" if self.padding else "flattened")
+        text = (f"weight-update-sharding: sharded {what} over {self.group_size} devices, {how}: "
+                f"{self.shard_bytes} bytes per device")
+        return text + (f"; {self.signature}" if self.signature else "")
+
+
+@register_pass
+class WeightUpdateSharding(HloPass):
+    """Reduce-scatter gradients, update 1/N of the weights per device, all-gather them."""
+
+    name = "weight-update-sharding"
+    threshold_bytes: int = 1024               # gradients smaller than this stay replicated
+    assume_replicated_parameters: bool = False  # pmap-style programs: parameters hold equal copies
+    persistent: bool = False                  # keep optimizer state sharded between steps
+
+    def __post_init__(self):
+        self.report: list[WeightReport] = []
+
+    def run(self, module: HloModule) -> bool:
+        self.report = []
+        changed = False
+        for comp in list(module.computations):
+            if any(i.opcode == "all-reduce" for i in comp.instructions):
+                rewriter = _ComputationSharder(self, module, comp)
+                changed |= rewriter.run()
+                self.report.extend(rewriter.reports)
+        for entry in self.report:
+            logger.info("%s", entry)
+        return changed
+
+
+# -- the gradients ------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(eq=False)
+class _Leaf:
+    """One array of an all-reduce (the whole all-reduce, or one element of a combined one)."""
+
+    all_reduce: HloInstruction
+    index: int | None                  # tuple index; None for an array all-reduce
+    values: list[HloInstruction]       # the instructions that carry it: the all-reduce or its GTEs
+
+    @property
+    def operand(self) -> HloInstruction:
+        return self.all_reduce.operand(self.index or 0)
+
+    @property
+    def shape(self) -> Shape:
+        return self.operand.shape
+
+    def describe(self) -> str:
+        suffix = f"[{self.index}]" if self.index is not None else ""
+        return f"%{self.all_reduce.name}{suffix}"
+
+
+def _is_sum_all_reduce(instr: HloInstruction) -> bool:
+    if instr.opcode != "all-reduce":
+        return False
+    reducer = instr.attrs.get("to_apply")
+    return reducer is not None and _reducer_opcode(reducer) == "add"
+
+
+def _reducer_opcode(reducer: HloComputation) -> str | None:
+    """`add` for `ROOT add(p0, p1)` over two scalar parameters, and so on; None otherwise."""
+    root = reducer.root
+    if reducer.num_parameters != 2 or root.operand_count != 2:
+        return None
+    if {o.opcode for o in root.operands} != {"parameter"} or root.operand(0) is root.operand(1):
+        return None
+    return root.opcode
+
+
+def _group_key(all_reduce: HloInstruction):
+    """(id space, groups) of a collective, or None when the module does not say who takes part."""
+    found = participants(all_reduce)
+    return None if found is None else (found[0], tuple(tuple(g) for g in found[1]))
+
+
+# -- the plan for one weight ------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class _Plan:
+    """How a weight of `full_dims` splits over `group_size` devices."""
+
+    full_dims: tuple[int, ...]
+    group_size: int
+    dimension: int | None      # None: flattened (and padded when needed)
+
+    @property
+    def elements(self) -> int:
+        return math.prod(self.full_dims)
+
+    @property
+    def padded_elements(self) -> int:
+        return -(-self.elements // self.group_size) * self.group_size
+
+    @property
+    def shard_dims(self) -> tuple[int, ...]:
+        if self.dimension is None:
+            return (self.padded_elements // self.group_size,)
+        dims = list(self.full_dims)
+        dims[self.dimension] //= self.group_size
+        return tuple(dims)
+
+    @property
+    def split_size(self) -> int:
+        """Elements of the split dimension in one shard (what a device's offset counts in)."""
+        return self.shard_dims[0 if self.dimension is None else self.dimension]
+
+    def shard_shape(self, shape: Shape) -> Shape:
+        if self.dimension is not None:
+            return shape.with_dims(self.shard_dims)
+        return _with_layout_like(Shape.array(shape.dtype, self.shard_dims), shape)
+
+
+def _choose_plan(shape: Shape, group_size: int) -> _Plan:
+    """Split the most major dimension that divides evenly (contiguous shards); else flatten."""
+    dims = shape.dims
+    major_to_minor = tuple(reversed(shape.layout.minor_to_major)) if shape.layout else tuple(range(len(dims)))
+    for dim in major_to_minor:
+        if dims[dim] >= group_size and dims[dim] % group_size == 0:
+            return _Plan(dims, group_size, dim)
+    return _Plan(dims, group_size, None)
+
+
+def _with_layout_like(shape: Shape, like: Shape) -> Shape:
+    """`shape` with the default layout when `like` has a layout (modules after layout assignment)."""
+    return shape.with_default_layout() if like.layout is not None else shape
+
+
+# -- one computation ---------------------------------------------------------------------------------
+
+@dataclasses.dataclass(eq=False)
+class _Region:
+    """The update region of one weight: members computed at shard shape, and how values leave it."""
+
+    key: tuple | None                                  # (id space, groups); None when unknown
+    members: list[HloInstruction]                      # in post order
+    tops: list[_Leaf]                                  # the gradient leaves whose values seed it
+    sliced: list[HloInstruction]                       # full-size operands taken by dynamic-slice
+    member_set: frozenset = frozenset()
+    # (member, user) where a value leaves the step; user None when the member is the root
+    outputs: list[tuple[HloInstruction, HloInstruction | None]] = dataclasses.field(default_factory=list)
+    reductions: list[HloInstruction] = dataclasses.field(default_factory=list)  # full reduces of members
+    # (member, user) uses that keep the weight replicated, and why the first one does
+    blocking: list[tuple[HloInstruction, HloInstruction]] = dataclasses.field(default_factory=list)
+    blocking_reason: str = ""
+    plan: _Plan | None = None
+    report: WeightReport | None = None
+
+
+class _ComputationSharder:
+    """Finds the update regions of one computation and rewrites those that can be sharded."""
+
+    def __init__(self, hlo_pass: WeightUpdateSharding, module: HloModule, comp: HloComputation):
+        self.options = hlo_pass
+        self.module = module
+        self.comp = comp
+        self.reports: list[WeightReport] = []
+        self._analyses: dict[tuple, ReplicationAnalysis] = {}
+        self._positions: dict[tuple, HloInstruction] = {}
+        self._offsets: dict[tuple, HloInstruction] = {}
+        self._zero_index: HloInstruction | None = None
+        self._pad_values: dict[str, HloInstruction] = {}
+        self._dead: list[HloInstruction] = []
+        self._callers = module.callers()
+
+    # -- analysis ----------------------------------------------------------------------------------
+    def run(self) -> bool:
+        """Analyse (inlining norm fusions that stand in the way, then again), judge, rewrite."""
+        unfused = False
+        while True:
+            self._analyses = {}
+            self._order = {instr: i for i, instr in enumerate(self.comp.post_order())}
+            leaves = self._gradient_leaves()
+            chains = self._chains(leaves)
+            regions = self._regions(chains)
+            norm_fusions = {user for region in regions if not self._problem(region)
+                            and all(_is_norm_fusion(u) for _, u in region.blocking) for _, user in region.blocking}
+            if not norm_fusions:
+                break
+            for fusion in sorted(norm_fusions, key=self._order.get):  # their reductions then combine
+                _inline_fusion(fusion)
+            unfused = True
+        for region in regions:
+            self._judge(region)
+        accepted = [r for r in regions if r.plan is not None]
+        if accepted:
+            self._rewrite(accepted, chains)
+        return bool(accepted) or unfused
+
+    def _gradient_leaves(self) -> list[_Leaf]:
+        """Every used leaf of every sum all-reduce (a combined one used other than through
+        get-tuple-element is left alone)."""
+        leaves = []
+        for instr in self._order:
+            if not _is_sum_all_reduce(instr):
+                continue
+            if not instr.shape.is_tuple:
+                leaves.append(_Leaf(instr, None, [instr]))
+            elif instr.users and all(u.opcode == "get-tuple-element" for u in instr.users) and not instr.is_root:
+                for index in range(instr.operand_count):
+                    values = [u for u in instr.users if u.attrs["index"] == index]
+                    if values:
+                        leaves.append(_Leaf(instr, index, values))
+        return leaves
+
+    def _chains(self, leaves: list[_Leaf]) -> dict[_Leaf, list[_Leaf]]:
+        """For each gradient leaf that is not itself summed again: its chain of all-reduces.
+
+        JAX emits all-reduce(all-reduce(x)) for pmean of a gradient that is already summed:
+        the outer sum of a group-uniform value is that value times the group size, so the
+        chain becomes one reduce-scatter of x and a multiplication.
+        """
+        by_value = {v: leaf for leaf in leaves for v in leaf.values}
+        inner = {}
+        for leaf in leaves:
+            users = [u for v in leaf.values for u in v.users]
+            if (len(users) == 1 and _is_sum_all_reduce(users[0]) and not any(v.is_root for v in leaf.values)
+                    and _group_key(users[0]) == _group_key(leaf.all_reduce)
+                    and _group_key(users[0]) is not None):
+                inner[leaf] = users[0]
+        chains = {}
+        for leaf in leaves:
+            if leaf in inner or not _is_gradient_shape(leaf.shape):
+                continue
+            chain = [leaf]
+            while chain[-1].operand in by_value and by_value[chain[-1].operand] in inner:
+                chain.append(by_value[chain[-1].operand])
+            chains[leaf] = chain
+        return chains
+
+    def _analysis(self, key, *, assume_replicated_parameters: bool | None = None) -> ReplicationAnalysis:
+        """Replication within the groups of `key`, taking parameters as replicated when the
+        option says so (or when `assume_replicated_parameters` overrides it)."""
+        assume = self.options.assume_replicated_parameters if assume_replicated_parameters is None \
+            else assume_replicated_parameters
+        if (key, assume) not in self._analyses:
+            space, groups = key
+            self._analyses[key, assume] = ReplicationAnalysis(
+                self.comp, [list(g) for g in groups], space, assume_replicated_parameters=assume)
+        return self._analyses[key, assume]
+
+    def _regions(self, chains: dict[_Leaf, list[_Leaf]]) -> list[_Region]:
+        """Grow the update regions from the gradient leaves with the same groups and shape."""
+        seeds_by_key: dict[tuple, list[_Leaf]] = {}
+        regions = []
+        for top in chains:
+            key = _group_key(top.all_reduce)
+            if key is None:
+                regions.append(_Region(None, list(top.values), [top], []))
+                continue
+            seeds_by_key.setdefault((key, top.shape.dims), []).append(top)
+        for (key, dims), tops in seeds_by_key.items():
+            regions.extend(self._grow(key, dims, tops))
+        return regions
+
+    def _grow(self, key, full_dims, tops: list[_Leaf]) -> list[_Region]:
+        analysis = self._analysis(key)
+        seeds = [v for top in tops for v in top.values]
+        members = set(seeds)
+        blocked: dict[HloInstruction, HloInstruction] = {}  # elementwise users held back, and why
+        work = list(seeds)
+        while work:
+            value = work.pop()
+            for user in value.users:
+                if user in members or not _elementwise_like(user, full_dims):
+                    continue
+                differing = [o for o in user.operands if o not in members and not analysis.is_replicated(o)]
+                if differing:
+                    blocked[user] = differing[0]
+                    continue
+                members.add(user)
+                work.append(user)
+        grown = True
+        while grown:  # pull in replicated elementwise operands used only inside the region
+            grown = False
+            for member in list(members):
+                for operand in member.operands:
+                    if (operand not in members and _elementwise_like(operand, full_dims)
+                            and analysis.is_replicated(operand) and not operand.is_root
+                            and all(u in members for u in operand.users)):
+                        members.add(operand)
+                        grown = True
+        components = sorted(_connected_components(members), key=lambda c: min(self._order[m] for m in c))
+        return [self._describe_region(key, component, tops, blocked) for component in components]
+
+    def _describe_region(self, key, component: set, tops: list[_Leaf], blocked) -> _Region:
+        """The region of one connected set of members: what it slices, where its values go."""
+        order = sorted(component, key=self._order.get)
+        region_tops = [t for t in tops if t.values[0] in component]
+        sliced = []
+        for member in order:
+            if member in {v for t in region_tops for v in t.values}:
+                continue
+            for operand in member.operands:
+                if (operand not in component and operand not in sliced and operand.shape.rank > 0
+                        and not _is_scalar_broadcast(operand)):
+                    sliced.append(operand)
+        region = _Region(key, order, region_tops, sliced, frozenset(order))
+        for member in order:
+            if member.is_root:
+                region.outputs.append((member, None))
+            for user in member.users:
+                if user in component:
+                    continue
+                if user not in blocked and self._leaves_step(user):
+                    region.outputs.append((member, user))
+                elif _full_reduction_of(user, member) and self._analysis(key).is_replicated(user.operand(1)):
+                    region.reductions.append(user)
+                else:
+                    region.blocking.append((member, user))
+                    region.blocking_reason = region.blocking_reason or _use_reason(member, user, blocked.get(user))
+        return region
+
+    def _leaves_step(self, user: HloInstruction) -> bool:
+        """Whether `user` only passes the value on to the computation's result (the step's outputs)."""
+        if user.is_root:
+            return True
+        return user.opcode in _FORWARDING and bool(user.users) and all(self._leaves_step(u) for u in user.users)
+
+    def _judge(self, region: _Region) -> None:
+        """Set the region's plan, or find why it stays replicated; record the report."""
+        shape = region.tops[0].shape
+        group_size = len(region.key[1][0]) if region.key else 0
+        reason = self._problem(region) or region.blocking_reason
+        if not reason and not region.sliced:
+            reason = "no update: the gradient is not combined with weights or optimizer state"
+        if not reason:
+            region.plan = _choose_plan(shape, group_size)
+        plan = region.plan
+        report = WeightReport(
+            computation=self.comp.name, gradient=", ".join(t.describe() for t in region.tops),
+            shape=shape.to_text(print_layout=False),
+            weights=tuple(_origin_name(v, self._callers) for v in region.sliced),
+            sharded=plan is not None, group_size=group_size, reason=reason)
+        if plan is not None:
+            report.dimension = plan.dimension
+            report.padding = plan.padded_elements - plan.elements if plan.dimension is None else 0
+            report.shard_bytes = plan.shard_shape(shape).byte_size
+        region.report = report
+        self.reports.append(report)
+
+    def _problem(self, region: _Region) -> str:
+        """Why the region stays replicated whatever its uses: its groups or its size ("" if neither)."""
+        if region.key is None:
+            return ("the module does not say which devices take part in it (empty replica groups or device "
+                    "counts missing)")
+        size = region.tops[0].shape.byte_size
+        if size < self.options.threshold_bytes:
+            return f"tiny: {size} bytes is below threshold_bytes={self.options.threshold_bytes}"
+        return self._addressing_problem(*region.key)
+
+    def _addressing_problem(self, space: str, groups) -> str:
+        """Why devices cannot find their shard for these groups ("" when they can)."""
+        sizes = {len(g) for g in groups}
+        if len(sizes) != 1:
+            return "its replica groups have different sizes"
+        if sizes == {1}:
+            return "its replica groups have one device each"
+        counts = DeviceCounts.of(self.module)
+        if space != REPLICA_IDS and (counts.replicas or 1) > 1 and counts.partitions is None:
+            return "the module has several replicas but does not say how many partitions"
+        return ""
+
+    # -- rewrite -----------------------------------------------------------------------------------
+    def _rewrite(self, regions: list[_Region], chains: dict[_Leaf, list[_Leaf]]) -> None:
+        """Rewrite the accepted regions. Members become their shards in place (a new shape and
+        new operands), so that the rewrite removes little: removing instructions is what costs."""
+        self._next_channel = max((i.attrs.get("channel_id") or 0 for i in self.module.instructions()), default=0) + 1
+        self._callers = self.module.callers()
+        scattered = self._scatter_gradients(regions, chains)
+        persistent = self.options.persistent and self.comp.is_entry and self.comp.root.opcode == "tuple"
+        sharded_outputs: dict[int, _Region] = {}
+        for region in regions:
+            shards: dict[HloInstruction, HloInstruction] = {}  # full-size value -> its shard in this region
+            for top in region.tops:
+                shard = self._gradient_shard(region, chains[top], scattered)
+                for value in top.values:
+                    shards[value] = shard
+            kept_sharded = self._keep_state_sharded(region, shards) if persistent else set()
+            if self.options.persistent and not persistent:
+                region.report.signature = (f"persistent: not applied, the update is in %{self.comp.name}, not in an "
+                                           f"entry computation that returns a tuple")
+            full_shapes = {member: member.shape for member in region.members}
+            for member in region.members:
+                if member not in shards:
+                    self._shard_in_place(region, member, shards)
+            self._route_outputs(region, shards, kept_sharded, full_shapes)
+            self._route_reductions(region, shards)
+            self._dead.extend(value for top in region.tops for value in top.values)
+            sharded_outputs.update({index: region for index in kept_sharded})
+        root_name = self.comp.root.name
+        if sharded_outputs:
+            self._retype_root(sharded_outputs)
+        self._remove_dead()
+        if self.comp.root.name != root_name:
+            self.comp.root.rename(root_name)
+        self.comp.sort_topologically()
+
+    def _keep_state_sharded(self, region: _Region, shards) -> set[int]:
+        """`persistent`: make the parameters that only the update reads (optimizer state) shards
+        of themselves, and return the output indices that hand their new value back as shards.
+
+        An output carries the new value of the parameter that input_output_alias pairs it with,
+        or, without aliasing, of the parameter with its own index (JAX returns the state in the
+        order it takes it).
+        """
+        members = set(region.members)
+        root = self.comp.root
+        output_of = {number: index for index, number in _output_parameters(self.module, root.operand_count).items()}
+        changes, outputs = [], set()
+        for value in region.sliced:
+            index = output_of.get(value.parameter_number) if value.opcode == "parameter" else None
+            if index is None or root.operand(index) not in members or not all(u in members for u in value.users):
+                continue  # the state must come in and go out through this update alone
+            full = value.shape
+            value.set_shape(region.plan.shard_shape(full))
+            if region.key[0] != REPLICA_IDS:
+                value.attrs["sharding"] = self._tile_sharding(region, value.shape.rank)
+            shards[value] = value
+            outputs.add(index)
+            changes.append(f"parameter {value.parameter_number} (%{value.name}) {full} -> {value.shape}")
+        for index in sorted(outputs):
+            full = root.operand(index).shape
+            changes.append(f"output {index} {full} -> {region.plan.shard_shape(full)}")
+        if changes:
+            region.report.signature = "persistent: " + ", ".join(changes)
+        return outputs
+
+    def _tile_sharding(self, region: _Region, rank: int) -> Sharding:
+        """The sharding of a shard parameter or output: tile k of the split dimension on the
+        k-th device of every group (replicated across the groups)."""
+        groups = region.key[1]
+        tile_dims = [1] * rank
+        tile_dims[region.plan.dimension or 0] = region.plan.group_size
+        devices = [group[k] for k in range(region.plan.group_size) for group in groups]
+        if len(groups) == 1:
+            return Sharding.tiled(tile_dims, devices)
+        return Sharding.tiled(tile_dims + [len(groups)], devices, last_tile_dim_replicate=True)
+
+    def _retype_root(self, sharded_outputs: dict[int, _Region]) -> None:
+        """A new root tuple for outputs that became shards (its shape and sharding changed)."""
+        root = self.comp.root
+        attrs = dict(root.attrs)
+        sharding = attrs.get("sharding")
+        if sharding is not None or any(r.key[0] != REPLICA_IDS for r in sharded_outputs.values()):
+            elements = list(sharding.elements) if sharding is not None and sharding.kind == "tuple" else \
+                [sharding or Sharding.replicated()] * root.operand_count
+            for index, region in sharded_outputs.items():
+                if region.key[0] != REPLICA_IDS:
+                    elements[index] = self._tile_sharding(region, root.operand(index).shape.rank)
+            attrs["sharding"] = Sharding.tuple_of(elements)
+        shape = Shape.tuple([o.shape for o in root.operands])
+        new_root = self._add("tuple", root.operands, shape, attrs=attrs, name=root.name)
+        self.comp.set_root(new_root)
+        self._dead.append(root)
+
+    def _scatter_gradients(self, regions, chains) -> dict[_Leaf, HloInstruction]:
+        """Replace the chains' all-reduce leaves: reduce-scatters for the bottom leaves whose operand
+        differs between devices, and all-reduces of what is left for the other leaves."""
+        removed: dict[HloInstruction, set[int | None]] = {}
+        bottoms: dict[HloInstruction, list[tuple[_Leaf, _Plan]]] = {}
+        for region in regions:
+            for top in region.tops:
+                chain = chains[top]
+                for leaf in chain:
+                    removed.setdefault(leaf.all_reduce, set()).add(leaf.index)
+                bottom = chain[-1]
+                # Only a value proven uniform may skip the reduce-scatter: the assumption about
+                # parameters is about weights, and the gradient's operand derives from the data.
+                proven = self._analysis(region.key, assume_replicated_parameters=False)
+                if not proven.is_replicated(bottom.operand):
+                    bottoms.setdefault(bottom.all_reduce, []).append((bottom, region.plan))
+        scattered = {}
+        for all_reduce, indices in removed.items():
+            by_dimension: dict[int, list[tuple[_Leaf, _Plan]]] = {}
+            for leaf, plan in bottoms.get(all_reduce, []):
+                by_dimension.setdefault(plan.dimension or 0, []).append((leaf, plan))
+            for dimension, entries in by_dimension.items():
+                operands = [self._prepare_full(leaf.operand, plan) for leaf, plan in entries]
+                shapes = [plan.shard_shape(operand.shape) for operand, (_, plan) in zip(operands, entries)]
+                scatter = self._add_collective(
+                    "reduce-scatter", operands, all_reduce,
+                    shape=shapes[0] if len(shapes) == 1 else Shape.tuple(shapes), dimensions=(dimension,),
+                    to_apply=all_reduce.attrs["to_apply"], name=f"{all_reduce.name}.scatter")
+                for position, (leaf, _) in enumerate(entries):
+                    scattered[leaf] = scatter if len(entries) == 1 else self._add(
+                        "get-tuple-element", [scatter], attrs={"index": position})
+            self._keep_remaining_leaves(all_reduce, indices)
+        return scattered
+
+    def _keep_remaining_leaves(self, all_reduce: HloInstruction, removed: set) -> None:
+        """Give the leaves of a combined all-reduce that stay replicated an all-reduce of their own."""
+        self._dead.append(all_reduce)
+        if None in removed:
+            return
+        kept = [i for i in range(all_reduce.operand_count) if i not in removed]
+        if not kept:
+            return
+        attrs = dict(all_reduce.attrs)
+        shapes = [all_reduce.shape.tuple_shapes[i] for i in kept]
+        smaller = self._add("all-reduce", [all_reduce.operand(i) for i in kept],
+                            shapes[0] if len(kept) == 1 else Shape.tuple(shapes), attrs=attrs, name=all_reduce.name)
+        for user in list(all_reduce.users):
+            index = user.attrs["index"]
+            if index in kept:
+                position = kept.index(index)
+                value = smaller if len(kept) == 1 else self._add(
+                    "get-tuple-element", [smaller], attrs={"index": position}, name=user.name)
+                user.replace_all_uses_with(value)
+            self._dead.append(user)
+
+    def _gradient_shard(self, region: _Region, chain: list[_Leaf], scattered) -> HloInstruction:
+        """This device's shard of the chain's top value: the reduce-scatter, times the group size
+        once per further sum of a group-uniform value."""
+        bottom = chain[-1]
+        sums_of_uniform = len(chain) - 1
+        base = scattered.get(bottom)
+        if base is None:  # the bottom all-reduce sums a value every device already holds
+            base = self._slice(bottom.operand, region)
+            sums_of_uniform += 1
+        if sums_of_uniform == 0:
+            return base
+        factor = region.plan.group_size ** sums_of_uniform
+        constant = self._constant(factor, bottom.shape.dtype, name="group_size")
+        factors = self._add("broadcast", [constant], base.shape, attrs={"dimensions": ()}, name="group_sizes")
+        return self._add("multiply", [base, factors], base.shape, name=f"{chain[0].values[0].name}.shard")
+
+    def _shard_in_place(self, region: _Region, member: HloInstruction, shards) -> None:
+        """Make `member` compute its shard: shard operands, shard shape (operands first: post order)."""
+        plan = region.plan
+        operands = [self._shard_operand(operand, region, shards) for operand in member.operands]
+        if member.opcode == "fusion":
+            member.attrs["calls"] = self._fused_computation_at_shard_shape(member.attrs["calls"], plan)
+        member.set_operands(operands)
+        member.set_shape(plan.shard_shape(member.shape))
+        shards[member] = member
+
+    def _shard_operand(self, operand: HloInstruction, region: _Region, shards) -> HloInstruction:
+        """The shard of a member's operand: a scalar stays; a scalar broadcast is made (or, when only
+        the region uses it, becomes) a broadcast at the shard's shape; anything else is sliced."""
+        if operand in shards:
+            return shards[operand]
+        if operand.shape.rank == 0:
+            return operand
+        only_the_region_uses_it = not operand.is_root and all(u in region.member_set for u in operand.users)
+        if _is_scalar_broadcast(operand) and only_the_region_uses_it:
+            operand.set_shape(region.plan.shard_shape(operand.shape))
+            shard = operand
+        elif _is_scalar_broadcast(operand):
+            shard = self._add("broadcast", [operand.operand(0)], region.plan.shard_shape(operand.shape),
+                              attrs={"dimensions": ()}, name=f"{operand.name}.shard")
+        else:
+            shard = self._slice(operand, region)
+        shards[operand] = shard
+        return shard
+
+    def _fused_computation_at_shard_shape(self, fused: HloComputation, plan: _Plan) -> HloComputation:
+        """`fused` with its full-size arrays at the shard's shape: itself when only one fusion
+        calls it, else a clone."""
+        if len(self._callers.get(fused, [])) != 1:
+            fused = self.module.clone_computation(fused, suffix="shard")
+        for instr in fused.instructions:
+            if instr.shape.is_array and instr.shape.dims == plan.full_dims:
+                instr.set_shape(plan.shard_shape(instr.shape))
+        return fused
+
+    def _route_outputs(self, region: _Region, shards, kept_sharded: set[int], full_shapes) -> None:
+        """All-gather the values that leave the step and hand them to their users; the root's
+        outputs in `kept_sharded` get the shard itself."""
+        gathered = {}
+
+        def full_value(member):
+            if member not in gathered:
+                gathered[member] = self._gather(shards[member], full_shapes[member], member.name, region)
+            return gathered[member]
+
+        for member, user in region.outputs:
+            if user is None:
+                self.comp.set_root(full_value(member))
+                continue
+            for index, operand in enumerate(user.operands):
+                if operand is member:
+                    kept = user.is_root and index in kept_sharded
+                    user.set_operand(index, shards[member] if kept else full_value(member))
+
+    def _route_reductions(self, region: _Region, shards) -> None:
+        """Each full reduction reduces the shard instead (in place), and an all-reduce of the
+        partial results takes its place."""
+        plan = region.plan
+        for reduce in region.reductions:
+            shard = shards[reduce.operand(0)]
+            init = reduce.operand(1)
+            if plan.padded_elements != plan.elements and plan.dimension is None:
+                shard = self._mask_padding(shard, init, region)
+            reduce.set_operand(0, shard)
+            reduce.attrs["dimensions"] = tuple(range(shard.shape.rank))
+            total = self._add_collective("all-reduce", [reduce], region.tops[0].all_reduce, shape=reduce.shape,
+                                         to_apply=reduce.attrs["to_apply"], name=f"{reduce.name}.sum")
+            reduce.replace_all_uses_with(total)
+
+    def _mask_padding(self, shard: HloInstruction, fill: HloInstruction, region: _Region) -> HloInstruction:
+        """`shard` with the padding elements replaced by the reduction's identity `fill`."""
+        plan = region.plan
+        name = shard.name.removesuffix(".shard")
+        index_shape = _with_layout_like(Shape.array("s32", shard.shape.dims), shard.shape)
+        local = self._add("iota", [], index_shape, attrs={"iota_dimension": 0}, name=f"{name}.local_index")
+        start = self._add("broadcast", [self._offset(region)], index_shape, attrs={"dimensions": ()})
+        index = self._add("add", [local, start], index_shape, name=f"{name}.index")
+        count = self._constant(plan.elements, "s32", name=f"{name}.elements")
+        limit = self._add("broadcast", [count], index_shape, attrs={"dimensions": ()})
+        inside = self._add("compare", [index, limit], index_shape.with_dtype("pred"), attrs={"direction": "LT"},
+                           name=f"{name}.in_bounds")
+        padding = self._add("broadcast", [fill], shard.shape, attrs={"dimensions": ()})
+        return self._add("select", [inside, shard, padding], shard.shape, name=f"{name}.masked")
+
+    # -- building blocks -------------------------------------------------------------------------------
+    def _prepare_full(self, full: HloInstruction, plan: _Plan) -> HloInstruction:
+        """`full` as the array the plan splits: itself, or flattened and padded to a multiple of N."""
+        if plan.dimension is not None:
+            return full
+        dtype = full.shape.dtype
+        flat = self._add("reshape", [full], _with_layout_like(Shape.array(dtype, (plan.elements,)), full.shape),
+                         name=f"{full.name}.flat")
+        if plan.padded_elements == plan.elements:
+            return flat
+        if dtype not in self._pad_values:
+            self._pad_values[dtype] = self._constant(0, dtype, name="padding")
+        return self._add("pad", [flat, self._pad_values[dtype]], name=f"{full.name}.padded",
+                         attrs={"padding": PaddingConfig(((0, plan.padded_elements - plan.elements, 0),))})
+
+    def _slice(self, full: HloInstruction, region: _Region) -> HloInstruction:
+        """This device's shard of a value every device of the group holds in full."""
+        plan = region.plan
+        prepared = self._prepare_full(full, plan)
+        split = plan.dimension or 0
+        indices = [self._offset(region) if d == split else self._zero() for d in range(prepared.shape.rank)]
+        return self._add("dynamic-slice", [prepared, *indices], plan.shard_shape(prepared.shape),
+                         attrs={"dynamic_slice_sizes": plan.shard_dims}, name=f"{full.name}.shard")
+
+    def _gather(self, shard: HloInstruction, full_shape: Shape, name: str, region: _Region) -> HloInstruction:
+        """The full value of `shard` (of a value named `name`), assembled from every device's."""
+        plan = region.plan
+        source = region.tops[0].all_reduce
+        if plan.dimension is not None:
+            return self._add_collective("all-gather", [shard], source, shape=full_shape,
+                                        dimensions=(plan.dimension,), name=f"{name}.gathered")
+        flat_shape = _with_layout_like(Shape.array(full_shape.dtype, (plan.padded_elements,)), full_shape)
+        gathered = self._add_collective("all-gather", [shard], source, shape=flat_shape, dimensions=(0,),
+                                        name=f"{name}.gathered_flat")
+        if plan.padded_elements != plan.elements:
+            gathered = self._add("slice", [gathered], attrs={"slice": SliceSpec(((0, plan.elements, 1),))},
+                                 name=f"{name}.unpadded")
+        return self._add("reshape", [gathered], full_shape, name=f"{name}.gathered")
+
+    def _add_collective(self, opcode: str, operands, like: HloInstruction, *, shape=None, name=None,
+                        **attrs) -> HloInstruction:
+        """A collective over the groups (and in the mode) of the all-reduce `like`: the same
+        replica_groups and use_global_device_ids, a channel of its own when `like` has one."""
+        ordered = {}
+        if like.attrs.get("channel_id") is not None:
+            ordered["channel_id"] = self._next_channel
+            self._next_channel += 1
+        ordered["replica_groups"] = like.attrs.get("replica_groups", ReplicaGroups(explicit=()))
+        if "dimensions" in attrs:
+            ordered["dimensions"] = attrs.pop("dimensions")
+        if like.attrs.get("use_global_device_ids"):
+            ordered["use_global_device_ids"] = True
+        ordered.update(attrs)
+        return self._add(opcode, operands, shape, attrs=ordered, name=name)
+
+    def _offset(self, region: _Region) -> HloInstruction:
+        """`position in group * shard size`: where this device's shard starts."""
+        cache_key = (region.key, region.plan.split_size)
+        if cache_key not in self._offsets:
+            size = self._constant(region.plan.split_size, "s32", name="shard_size")
+            self._offsets[cache_key] = self._add("multiply", [self._position(region.key), size],
+                                                 name="shard_offset")
+        return self._offsets[cache_key]
+
+    def _position(self, key) -> HloInstruction:
+        """This device's index within its replica group (s32), from replica-id/partition-id."""
+        if key not in self._positions:
+            space, groups = key
+            position_of = {d: i for g in groups for i, d in enumerate(g)}
+            if all(position_of[d] == d for d in position_of):
+                self._positions[key] = self._device_id(space, name="shard_index")
+            else:  # look the position up in a table indexed by device id
+                table = np.zeros(max(position_of) + 1, np.int32)
+                for d, i in position_of.items():
+                    table[d] = i
+                positions = self._add("constant", [], literal=Literal.from_numpy(table), name="group_positions")
+                entry = self._add("dynamic-slice", [positions, self._device_id(space, name="device_id")],
+                                  attrs={"dynamic_slice_sizes": (1,)}, name="group_position")
+                self._positions[key] = self._add("reshape", [entry], Shape.array("s32", ()), name="shard_index")
+        return self._positions[key]
+
+    def _device_id(self, space: str, name: str) -> HloInstruction:
+        """This device's id in `space`, as s32: its replica id, or its global device id
+        (replica * num_partitions + partition; a module that states no replica count has
+        one replica, as every JAX program does)."""
+        u32 = Shape.array("u32", ())
+        counts = DeviceCounts.of(self.module)
+        if space == REPLICA_IDS:
+            device = self._add("replica-id", [], u32)
+        elif (counts.replicas or 1) > 1:
+            replica = self._add("replica-id", [], u32)
+            partitions = self._constant(counts.partitions, "u32")
+            scaled = self._add("multiply", [replica, partitions])
+            device = self._add("add", [scaled, self._add("partition-id", [], u32)])
+        else:
+            device = self._add("partition-id", [], u32)
+        return self._add("convert", [device], Shape.array("s32", ()), name=name)
+
+    def _zero(self) -> HloInstruction:
+        if self._zero_index is None:
+            self._zero_index = self._constant(0, "s32", name="zero")
+        return self._zero_index
+
+    def _constant(self, value, dtype: str, name: str | None = None) -> HloInstruction:
+        literal = Literal.from_numpy(np.array(value, dtype=numpy_dtype(dtype)))
+        return self._add("constant", [], Shape.array(dtype, ()), literal=literal, name=name)
+
+    def _add(self, opcode: str, operands, shape=None, *, attrs=None, name=None, literal=None) -> HloInstruction:
+        """Add an instruction; an inferred shape has a layout only where the operands have one
+        (text without layouts stays without them)."""
+        if shape is None and operands and all(o.shape.layout is None for o in operands):
+            shape = infer_shape(opcode, [o.shape for o in operands], attrs or {}).without_layout()
+        return self.comp.add_instruction(opcode, operands, shape, attrs=attrs, name=name, literal=literal)
+
+    def _remove_dead(self) -> None:
+        """Remove the replaced instructions, and what only they used (never parameters or side effects)."""
+        pending = list(self._dead)
+        while pending:
+            instr = pending.pop()
+            if instr.parent is not self.comp or instr.users or instr.is_root:
+                continue
+            if instr.opcode == "parameter" or has_side_effect(instr):
+                continue
+            operands = list(instr.operands)
+            self.comp.remove_instruction(instr)
+            pending.extend(operands)
+
+
+# -- instruction predicates ---------------------------------------------------------------------------
+
+def _is_gradient_shape(shape: Shape) -> bool:
+    return shape.is_array and shape.rank > 0 and shape.dtype in FLOAT_DTYPES and not shape.is_dynamic
+
+
+def _is_scalar_broadcast(instr: HloInstruction) -> bool:
+    return instr.opcode == "broadcast" and instr.operand(0).shape.rank == 0
+
+
+def _elementwise_like(instr: HloInstruction, full_dims: tuple[int, ...]) -> bool:
+    """An instruction whose element i depends only on element i of its full-size operands."""
+    shape = instr.shape
+    if not shape.is_array or shape.dims != full_dims or shape.is_dynamic:
+        return False
+    if instr.opcode in ELEMENTWISE:
+        return not instr.control_predecessors and instr.opcode != "rng"
+    if instr.opcode == "fusion" and instr.attrs.get("kind") == "kLoop":
+        return _elementwise_fused_computation(instr.attrs["calls"], full_dims)
+    return False
+
+
+def _elementwise_fused_computation(fused: HloComputation, full_dims) -> bool:
+    """A fused computation of elementwise instructions on full-size arrays and scalars."""
+    for instr in fused.instructions:
+        shape = instr.shape
+        if not shape.is_array or shape.dims not in (full_dims, ()):
+            return False
+        if instr.opcode == "parameter" or instr.opcode in ELEMENTWISE:
+            continue
+        if instr.opcode == "constant" and shape.rank == 0:
+            continue
+        if _is_scalar_broadcast(instr):
+            continue
+        return False
+    return True
+
+
+def _output_parameters(module: HloModule, outputs: int) -> dict[int, int]:
+    """Output index -> the parameter number whose next value it is (see _keep_state_sharded)."""
+    alias = module.attrs.get("input_output_alias")
+    if alias is None:
+        return {index: index for index in range(outputs)}
+    pairs = re.findall(r"\{\s*(\d+)\s*\}\s*:\s*\(\s*(\d+)\s*,\s*\{\s*\}", str(alias))
+    return {int(output): int(parameter) for output, parameter in pairs}
+
+
+def _use_reason(member: HloInstruction, user: HloInstruction, differing: HloInstruction | None) -> str:
+    """Why a use of an update value outside the region keeps the weight replicated."""
+    if differing is not None:
+        return (f"%{user.name} combines %{member.name} with %{differing.name}, which is not known to be the "
+                f"same on every device of the group (set assume_replicated_parameters=true if the weights "
+                f"and optimizer state are replicated)")
+    return f"non-elementwise use: %{member.name} is used by %{user.name} ({user.opcode})"
+
+
+def _is_norm_fusion(instr: HloInstruction) -> bool:
+    """A fusion that reduces full-size values to a scalar (a global or per-tensor norm): once
+    inlined, its reductions become reductions of shards and an all-reduce of the results."""
+    if instr.opcode != "fusion" or instr.attrs.get("kind") not in ("kLoop", "kInput") or instr.shape.rank != 0:
+        return False
+    fused = instr.attrs["calls"]
+    return any(i.opcode == "reduce" for i in fused.instructions) and all(
+        i.opcode in ("parameter", "constant", "reduce") or i.opcode in ELEMENTWISE or _is_scalar_broadcast(i)
+        for i in fused.instructions)
+
+
+def _inline_fusion(fusion: HloInstruction) -> None:
+    """Replace `fusion` by the instructions of its fused computation."""
+    comp = fusion.parent
+    fused = fusion.attrs["calls"]
+    mapping = {fused.parameter(i): operand for i, operand in enumerate(fusion.operands)}
+    for instr in fused.post_order():
+        if instr not in mapping:
+            mapping[instr] = comp.add_instruction(instr.opcode, [mapping[o] for o in instr.operands], instr.shape,
+                                                  name=instr.name, attrs=dict(instr.attrs), before=fusion,
+                                                  literal=instr.literal)
+    fusion.replace_all_uses_with(mapping[fused.root])
+    comp.remove_instruction(fusion)
+    if not comp.parent.callers().get(fused):
+        comp.parent.remove_computation(fused)
+
+
+def _full_reduction_of(user: HloInstruction, member: HloInstruction) -> bool:
+    """A reduce of all dimensions of `member` with a reducer whose partial results combine."""
+    if user.opcode != "reduce" or user.operand_count != 2 or user.operand(0) is not member:
+        return False
+    if tuple(sorted(user.attrs.get("dimensions", ()))) != tuple(range(member.shape.rank)):
+        return False
+    opcode = _reducer_opcode(user.attrs["to_apply"])
+    init = user.operand(1)
+    if opcode not in _REDUCER_IDENTITY or init.opcode != "constant" or init.literal is None:
+        return False
+    try:
+        value = init.literal.to_numpy()
+    except ValueError:
+        return False
+    return bool(np.asarray(value == _REDUCER_IDENTITY[opcode]).all())
+
+
+def _connected_components(members: set) -> list[set]:
+    parent = {m: m for m in members}
+
+    def find(x):
+        while parent[x] is not x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for member in members:
+        for operand in member.operands:
+            if operand in members:
+                parent[find(operand)] = find(member)
+    components: dict = {}
+    for member in members:
+        components.setdefault(find(member), set()).add(member)
+    return list(components.values())
+
+
+def _origin_name(instr: HloInstruction, callers: dict) -> str:
+    """The name of the parameter a value comes from (through reshapes, tuples and shard_map bodies);
+    `callers` is the module's `callers()`."""
+    seen = set()
+    while instr not in seen:
+        seen.add(instr)
+        if instr.opcode in ("reshape", "bitcast", "copy", "convert") and instr.operand_count == 1:
+            instr = instr.operand(0)
+        elif instr.opcode == "get-tuple-element":
+            source = instr.operand(0)
+            if source.opcode == "custom-call" and source.attrs.get("custom_call_target") == \
+                    "xla.sdy.GlobalToLocalShape":
+                instr = source.operand(instr.attrs["index"])
+            elif source.opcode == "tuple":
+                instr = source.operand(instr.attrs["index"])
+            else:
+                break
+        elif instr.opcode == "parameter" and not instr.parent.is_entry:
+            calls = callers.get(instr.parent, [])
+            if len(calls) != 1 or calls[0].opcode != "call":
+                break
+            instr = calls[0].operand(instr.parameter_number)
+        else:
+            break
+    metadata = instr.attrs.get("metadata")
+    op_name = metadata.get("op_name") if metadata is not None and instr.opcode == "parameter" else None
+    return op_name if isinstance(op_name, str) and op_name else instr.name

@@ -1,0 +1,267 @@
+"""Pipelines: passes built from text, run in order, verified, dumped, rolled back on failure.
+
+Pipeline text is a comma-separated list of passes, each with optional options in
+braces; `fixed-point(...)` repeats a group until no pass in it changes the module::
+
+    all-reduce-combiner{threshold_bytes=1048576,threshold_count=256},dce
+    fixed-point{max_iterations=10}(tuple-simplifier,cse,dce)
+
+Running a pipeline runs each pass on the module in place. After a pass that
+changed the module, the verifier checks it (unless `verify=False`). A pass that
+raises, or that leaves a module the verifier refuses, leaves the module exactly
+as it was before that pass and raises `PassError` naming the pass (and the
+instruction, when known).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tempfile
+import time
+
+import hlo_tools
+from hlo_tools import HloModule
+
+from .core import HloPass, PassError, pass_class
+
+FIXED_POINT = "fixed-point"
+
+
+@dataclasses.dataclass
+class PassRun:
+    """What one pass did in a pipeline run."""
+
+    name: str
+    changed: bool
+    seconds: float
+
+
+class FixedPoint:
+    """A group of passes run again and again until none of them changes the module."""
+
+    def __init__(self, passes: list, max_iterations: int = 25):
+        if max_iterations < 1:
+            raise PassError("max_iterations must be at least 1", FIXED_POINT)
+        self.passes = passes
+        self.max_iterations = max_iterations
+
+    def __str__(self) -> str:
+        options = f"{{max_iterations={self.max_iterations}}}" if self.max_iterations != 25 else ""
+        return f"{FIXED_POINT}{options}({','.join(str(p) for p in self.passes)})"
+
+
+class Pipeline:
+    """Passes (and fixed-point groups) to run in order on a module.
+
+    Args:
+      passes: pipeline text, or a list of `HloPass`/`FixedPoint` objects.
+      verify: run the verifier after every pass that changed the module.
+      dump_to: directory for `module_NNNN.<name>.before_xla_passes.txt` and one
+        `module_NNNN.<name>.KKKK.after_<pass>.txt` per pass that ran.
+      module_number: the NNNN of the dump file names.
+    """
+
+    def __init__(self, passes, *, verify: bool = True, dump_to: str | None = None, module_number: int = 0):
+        self.passes = parse_pipeline(passes) if isinstance(passes, str) else list(passes)
+        self.verify = verify
+        self.dump_to = dump_to
+        self.module_number = module_number
+        self.log: list[PassRun] = []
+
+    def __str__(self) -> str:
+        return ",".join(str(p) for p in self.passes)
+
+    def run(self, module: HloModule) -> bool:
+        """Run every pass on `module` in place; return whether any changed it."""
+        self.log = []
+        self._dump_count = 0
+        if self.dump_to:
+            self._dump(module, "before_xla_passes")
+        return self._run_list(self.passes, module)
+
+    def _run_list(self, passes, module: HloModule) -> bool:
+        changed = False
+        for item in passes:
+            if isinstance(item, FixedPoint):
+                changed |= self._run_fixed_point(item, module)
+            else:
+                changed |= self._run_pass(item, module)
+        return changed
+
+    def _run_fixed_point(self, group: FixedPoint, module: HloModule) -> bool:
+        changed = False
+        for _ in range(group.max_iterations):
+            if not self._run_list(group.passes, module):
+                break
+            changed = True
+        return changed
+
+    def _run_pass(self, hlo_pass: HloPass, module: HloModule) -> bool:
+        snapshot = module.to_text()
+        start = time.perf_counter()
+        try:
+            changed = bool(hlo_pass.run(module))
+            if changed and self.verify:
+                _verify_after(hlo_pass, module)
+        except BaseException as exc:
+            restore(module, snapshot)
+            if isinstance(exc, PassError):
+                if exc.pass_name is None:
+                    exc.pass_name = hlo_pass.name
+                raise
+            if not isinstance(exc, Exception):
+                raise  # KeyboardInterrupt and friends pass through, module restored
+            raise PassError(f"{type(exc).__name__}: {exc}", hlo_pass.name) from exc
+        self.log.append(PassRun(hlo_pass.name, changed, time.perf_counter() - start))
+        if self.dump_to:
+            self._dump(module, f"after_{hlo_pass.name}", numbered=True, notes=pass_report(hlo_pass))
+        return changed
+
+    def reports(self) -> list[str]:
+        """The report lines of every pass in the pipeline that keeps one (see `pass_report`)."""
+        return [line for item in _flatten(self.passes) for line in pass_report(item)]
+
+    def _dump(self, module: HloModule, what: str, numbered: bool = False, notes=()) -> None:
+        os.makedirs(self.dump_to, exist_ok=True)
+        step = ""
+        if numbered:
+            self._dump_count += 1
+            step = f"{self._dump_count:04d}."
+        name = f"module_{self.module_number:04d}.{sanitize_file_name(module.name)}.{step}{what}.txt"
+        header = "".join(f"// {line}\n" for line in notes)
+        write_atomically(os.path.join(self.dump_to, name), header + module.to_text())
+
+
+def pass_report(hlo_pass) -> list[str]:
+    """What a pass says about its last run: one line per entry of its `report` list, if it has one."""
+    return [str(entry) for entry in getattr(hlo_pass, "report", None) or ()]
+
+
+def _flatten(items) -> list:
+    out = []
+    for item in items:
+        out.extend(_flatten(item.passes) if isinstance(item, FixedPoint) else [item])
+    return out
+
+
+def _verify_after(hlo_pass: HloPass, module: HloModule) -> None:
+    try:
+        hlo_tools.verify(module)
+    except hlo_tools.HloVerifyError as exc:
+        raise PassError(f"produced an invalid module: {exc.message}", hlo_pass.name, exc.instruction) from exc
+
+
+def restore(module: HloModule, text: str) -> None:
+    """Make `module` (the same object) hold the module printed as `text` again."""
+    fresh = hlo_tools.parse_module(text)
+    module.__dict__.clear()
+    module.__dict__.update(fresh.__dict__)
+    for comp in module.computations:
+        comp.parent = module
+
+
+def run_passes(module: HloModule, passes, **options) -> bool:
+    """Run pipeline text (or pass objects) on `module` in place; return whether it changed."""
+    return Pipeline(passes, **options).run(module)
+
+
+def sanitize_file_name(name: str) -> str:
+    """A module name as XLA writes it into dump file names (odd characters become `_`)."""
+    return re.sub(r"[^A-Za-z0-9_.\-]", "_", name)
+
+
+def write_atomically(path: str, text: str) -> None:
+    """Write `text` to `path` through a temporary file in the same directory and a rename."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".xla-passes-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+# --- pipeline text ---------------------------------------------------------------------------------
+
+_PASS_NAME = re.compile(r"[A-Za-z_][\w.\-]*")
+
+
+def parse_pipeline(text: str) -> list:
+    """Pipeline text -> a list of `HloPass` and `FixedPoint` objects (PassError when malformed)."""
+    if not text.strip():
+        raise PassError("empty pipeline: name at least one pass")
+    return _PipelineParser(text).items(closing=None)
+
+
+class _PipelineParser:
+    def __init__(self, text: str):
+        self.text = text
+        self.pos = 0
+
+    def error(self, message: str) -> PassError:
+        return PassError(f"pipeline {self.text!r}, column {self.pos + 1}: {message}")
+
+    def skip_space(self):
+        while self.pos < len(self.text) and self.text[self.pos].isspace():
+            self.pos += 1
+
+    def peek(self) -> str:
+        self.skip_space()
+        return self.text[self.pos] if self.pos < len(self.text) else ""
+
+    def items(self, closing: str | None) -> list:
+        items = []
+        while True:
+            items.append(self.item())
+            char = self.peek()
+            if char == ",":
+                self.pos += 1
+                continue
+            if char == (closing or ""):
+                if closing:
+                    self.pos += 1
+                return items
+            raise self.error(f"expected ',' or {closing!r}" if closing else "expected ',' or the end")
+
+    def item(self):
+        self.skip_space()
+        match = _PASS_NAME.match(self.text, self.pos)
+        if not match:
+            raise self.error("expected a pass name")
+        name = match.group(0)
+        self.pos = match.end()
+        options = self.options() if self.peek() == "{" else {}
+        if name == FIXED_POINT:
+            if self.peek() != "(":
+                raise self.error("fixed-point needs a group of passes in parentheses")
+            self.pos += 1
+            unknown = set(options) - {"max_iterations"}
+            if unknown:
+                raise PassError(f"unknown option {sorted(unknown)[0]!r} (valid options: max_iterations)", FIXED_POINT)
+            try:
+                limit = int(options.get("max_iterations", "25"))
+            except ValueError:
+                raise PassError(f"option max_iterations={options['max_iterations']!r} is not a valid int",
+                                FIXED_POINT) from None
+            return FixedPoint(self.items(closing=")"), limit)
+        return pass_class(name).from_options(options)
+
+    def options(self) -> dict[str, str]:
+        self.pos += 1  # '{'
+        end = self.text.find("}", self.pos)
+        if end < 0:
+            raise self.error("unclosed '{'")
+        options = {}
+        body = self.text[self.pos:end]
+        for part in body.split(","):
+            if not part.strip():
+                continue
+            key, eq, value = part.partition("=")
+            if not eq or not key.strip():
+                raise self.error(f"option {part.strip()!r} is not key=value")
+            options[key.strip()] = value.strip()
+        self.pos = end + 1
+        return options
