@@ -2,8 +2,13 @@
 
 import pathlib
 
+import pytest
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 CORPUS_DIR = REPO_ROOT.parent / "shared" / "corpus" / "xla_tests"
+
+# OpenXLA's test modules are there on the development machines only (users and CI lack them).
+needs_corpus = pytest.mark.skipif(not CORPUS_DIR.is_dir(), reason=f"no corpus at {CORPUS_DIR}")
 
 
 def read_exact(path) -> str:

@@ -14,7 +14,7 @@ import hlo_tools
 from hlo_tools import xla_bridge
 from hlo_tools.shape import Shape
 from hlo_tools.shape_inference import PARSER_INFERABLE, ShapeInferenceError, compatible, infer_shape
-from support import CORPUS_DIR
+from support import CORPUS_DIR, needs_corpus
 
 ADD = """
 add {
@@ -291,6 +291,7 @@ def test_count_leading_zeros():
         infer_shape("count-leading-zeros", [_s("f32[4]")], {})
 
 
+@needs_corpus
 @pytest.mark.parametrize("name", ["InferBinaryShape", "InferDotShape", "InferTernaryShape", "InferTupleShape",
                                   "InferShapeMixedExplicitShape",
                                   "InferUnaryShape", "MixAnonAndNonAnonOperands_input", "SimpleNesting_input"])
@@ -427,6 +428,7 @@ def test_shapes_xla_parser_requires_but_passes_can_infer():
 CORPUS_FILES = sorted(p for p in glob.glob(str(CORPUS_DIR / "*" / "*.hlo")) if "parser_invalid" not in p)
 
 
+@needs_corpus
 def test_inference_agrees_with_every_shape_in_xlas_tests():
     """Wherever infer_shape answers, its shape is the one XLA's own test modules write."""
     checked = 0

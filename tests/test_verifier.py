@@ -12,7 +12,7 @@ import pytest
 
 import hlo_tools
 from hlo_tools import HloParseError, HloVerifyError
-from support import CORPUS_DIR, read_exact
+from support import CORPUS_DIR, needs_corpus, read_exact
 
 
 def verify(text: str):
@@ -155,6 +155,7 @@ def test_required_attribute():
     pair(valid, valid.replace(", dimensions={1,0}", ""), "t", "attribute dimensions is expected")
 
 
+@needs_corpus
 def test_broadcast_of_non_scalar_needs_dimensions():
     valid = entry("  ROOT r = f32[10,10] sqrt(f32[10,10] broadcast(f32[] parameter(0)))")
     verify(valid)
@@ -510,6 +511,7 @@ VALID = sorted(p for p in glob.glob(str(CORPUS_DIR / "*" / "*.hlo")) if "parser_
 INVALID = sorted(glob.glob(str(CORPUS_DIR / "parser_invalid" / "*.hlo")))
 
 
+@needs_corpus
 def test_every_valid_corpus_module_verifies():
     assert len(VALID) == 364
     failures = []
@@ -521,6 +523,7 @@ def test_every_valid_corpus_module_verifies():
     assert not failures, "\n".join(failures)
 
 
+@needs_corpus
 def test_every_invalid_corpus_module_is_refused():
     accepted = []
     for path in INVALID:
@@ -564,6 +567,7 @@ def test_real_jax_modules_verify():
         assert opcodes & {"all-reduce", "all-gather", "all-reduce-start", "fusion"}, name
 
 
+@needs_corpus
 def test_mutated_modules_raise_only_hlo_errors():
     """Small deterministic mutations of XLA's test modules: verify may refuse them, never crash."""
     import random
