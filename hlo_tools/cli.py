@@ -46,7 +46,7 @@ class CommandError(Exception):
         return f"{location}: {self.message}" if location else self.message
 
 
-def _one_line(message: str) -> str:
+def one_line(message: str) -> str:
     """The first non-blank line of ``message`` (error output is one line per failure)."""
     for line in message.splitlines():
         if line.strip():
@@ -74,9 +74,9 @@ def located(exc: hlo_tools.HloParseError | hlo_tools.HloVerifyError,
             path: str | None) -> CommandError:
     """The one-line report of a parse or verify error found in the file ``path``."""
     if isinstance(exc, hlo_tools.HloParseError):
-        return CommandError(_one_line(exc.message), path, exc.line, exc.column)
+        return CommandError(one_line(exc.message), path, exc.line, exc.column)
     who = f"{exc.instruction}: " if exc.instruction else ""
-    return CommandError(_one_line(who + exc.message), path, exc.line)
+    return CommandError(one_line(who + exc.message), path, exc.line)
 
 
 def load_module(path: str) -> hlo_tools.HloModule:
@@ -124,13 +124,19 @@ def write_output(text: str, out_path: str | None, input_path: str) -> None:
         return
     if input_path != "-" and _same_file(out_path, input_path):
         raise CommandError("refusing to overwrite the input file", out_path)
-    directory = os.path.dirname(os.path.abspath(out_path))
+    write_atomically(out_path, text)
+
+
+def write_atomically(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in its directory and a rename,
+    so that readers never see a half-written file."""
+    directory = os.path.dirname(os.path.abspath(path))
     fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=".hlo-tools-", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
             f.write(text)
-        os.chmod(tmp_path, _output_mode(out_path))
-        os.replace(tmp_path, out_path)
+        os.chmod(tmp_path, _output_mode(path))
+        os.replace(tmp_path, path)
     except BaseException:
         os.unlink(tmp_path)
         raise
@@ -153,7 +159,7 @@ def report_failures(prog: str, body, expected_errors: tuple[type[Exception], ...
     message to show (``CommandError`` and parse/verify errors always are).
     """
     def error(message: str) -> int:
-        print(f"{prog}: error: {_one_line(message)}", file=sys.stderr)
+        print(f"{prog}: error: {one_line(message)}", file=sys.stderr)
         return 1
 
     try:
@@ -172,11 +178,11 @@ def report_failures(prog: str, body, expected_errors: tuple[type[Exception], ...
         return 1
     except OSError as exc:
         where = f"{exc.filename}: " if exc.filename else ""
-        return error(f"{where}{exc.strerror or _one_line(str(exc))}")
+        return error(f"{where}{exc.strerror or one_line(str(exc))}")
     except KeyboardInterrupt:
         return error("interrupted")
     except Exception as exc:  # the last resort: still one line, never a traceback
-        return error(f"internal error: {type(exc).__name__}: {_one_line(str(exc))}")
+        return error(f"internal error: {type(exc).__name__}: {one_line(str(exc))}")
 
 
 def main(argv: list[str] | None = None) -> int:

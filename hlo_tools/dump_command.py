@@ -137,7 +137,7 @@ def _load_function(path: str, name: str):
     try:
         module_spec.loader.exec_module(module)
     except Exception as exc:
-        raise cli.CommandError(f"importing it failed: {type(exc).__name__}: {_first_line(str(exc))}",
+        raise cli.CommandError(f"importing it failed: {type(exc).__name__}: {cli.one_line(str(exc))}",
                                path) from exc
     target = module
     for part in name.split("."):
@@ -158,7 +158,7 @@ def _parse_arg(text: str) -> tuple[tuple[int, ...], str]:
     try:
         shape = hlo_tools.parse_shape(text)
     except hlo_tools.HloParseError as exc:
-        raise cli.CommandError(f"--args {text!r}: {_first_line(exc.message)}") from exc
+        raise cli.CommandError(f"--args {text!r}: {cli.one_line(exc.message)}") from exc
     if not shape.is_array:
         raise cli.CommandError(f"--args {text!r}: an argument is an array shape, "
                                "not a tuple or token (give each array)")
@@ -178,11 +178,6 @@ def _dtype_name(hlo_type: str) -> str:
         if pattern.fullmatch(hlo_type):
             return pattern.sub(replacement, hlo_type)
     raise cli.CommandError(f"--args: no numpy type for the element type {hlo_type}")
-
-
-def _first_line(message: str) -> str:
-    """The first non-blank line of an exception's message (errors are reported as one line)."""
-    return next((line.strip() for line in message.splitlines() if line.strip()), "")
 
 
 def _describe(exc: Exception) -> str:

@@ -193,6 +193,20 @@ def _precheck(ref: ModuleRef, content) -> None:
                        f"{message[0] if message else 'syntax error'}") from exc
 
 
+def device_counts(text: str, printed: str, num_replicas: int | None = None,
+                  num_partitions: int | None = None) -> tuple[int, int]:
+    """(replicas, partitions) to compile a module with: the counts given, else the header's,
+    else (no count anywhere, e.g. JAX's compiler_ir("hlo") text) as many partitions as the
+    entry shardings of XLA's print ``printed`` name; 1 for what none of them says."""
+    header_replicas, header_partitions = _header_counts(text)
+    replicas = num_replicas or header_replicas or 1
+    partitions = num_partitions or header_partitions or 1
+    if not (num_replicas or num_partitions or header_replicas or header_partitions):
+        param_shardings, root_sharding = _entry_shardings(printed)
+        partitions = _sharding_device_count(list(param_shardings.values()) + [root_sharding])
+    return replicas, partitions
+
+
 def _header_counts(text: str) -> tuple[int | None, int | None]:
     """``replica_count=`` and ``num_partitions=`` of the ``HloModule`` header line, when present."""
     match = re.search(r"^\s*HloModule\b([^\n]*)", text, re.M)
@@ -726,15 +740,10 @@ class _Loaded:
         except xla_bridge.XlaBridgeError as exc:
             raise RunError(_xla_parse_message(ref.name, str(exc))) from exc
         self.printed = xla_bridge.module_text(self.module)
-        header_replicas, header_partitions = _header_counts(
-            content if isinstance(content, str) else self.printed)
         self.param_shardings, self.root_sharding = _entry_shardings(self.printed)
-        self.num_replicas = spec.num_replicas or header_replicas or 1
-        self.num_partitions = spec.num_partitions or header_partitions or 1
-        if not (spec.num_replicas or spec.num_partitions or header_replicas or header_partitions):
-            # No count anywhere (e.g. JAX's compiler_ir("hlo") text): the shardings tell.
-            self.num_partitions = _sharding_device_count(
-                list(self.param_shardings.values()) + [self.root_sharding])
+        self.num_replicas, self.num_partitions = device_counts(
+            content if isinstance(content, str) else self.printed, self.printed,
+            spec.num_replicas, spec.num_partitions)
         _validate_counts(self.num_replicas, self.num_partitions, ref.name)
         self.num_devices = self.num_replicas * self.num_partitions
         if self.num_replicas > 1 and self.num_partitions > 1:
@@ -871,10 +880,10 @@ def _xla_parse_message(name: str, message: str) -> str:
     match = re.search(r"was parsing (\d+):(\d+): error: ([^\n]*)", message)
     if match:
         return f"{name}:{match.group(1)}:{match.group(2)}: {match.group(3)}"
-    return f"{name}: {_first_line(message)}"
+    return f"{name}: {first_line(message)}"
 
 
-def _first_line(message: str) -> str:
+def first_line(message: str) -> str:
     """The first line of an error message (with the next one when the first ends in ':')."""
     lines = [line.strip() for line in str(message).splitlines() if line.strip()]
     if not lines:
@@ -925,12 +934,8 @@ def _execute_job(job: _Job, status=lambda _: None, progress_stream=None) -> list
                 raise RunError(f"{biggest.spec.ref.name}: {needed} devices cannot be split "
                                f"evenly over {processes} processes")
             xla_bridge.configure_cpu_devices(needed // processes)
-        elif not xla_bridge.backend_initialized():
-            flag = re.search(r"--xla_force_host_platform_device_count=(\d+)",
-                             os.environ.get("XLA_FLAGS", ""))
-            have = int(flag.group(1)) if flag else 1
-            if needed > have:
-                xla_bridge.configure_cpu_devices(max(needed, 8))
+        else:
+            ensure_cpu_devices(needed, max(needed, 8))
     if processes > 1:
         status("joining the distributed run")
         try:
@@ -940,7 +945,7 @@ def _execute_job(job: _Job, status=lambda _: None, progress_stream=None) -> list
     try:
         devices, process_index = xla_bridge.platform_devices(job.platform)
     except xla_bridge.XlaBridgeError as exc:
-        raise RunError(_first_line(str(exc))) from exc
+        raise RunError(first_line(str(exc))) from exc
     if needed > len(devices):
         hint = ""
         if job.platform == "cpu":
@@ -988,7 +993,7 @@ def _execute_job(job: _Job, status=lambda _: None, progress_stream=None) -> list
                 num_replicas=m.num_replicas, num_partitions=m.num_partitions,
                 partitioner=partitioner)
         except xla_bridge.XlaBridgeError as exc:
-            raise RunError(f"{name}: {_first_line(str(exc))}"
+            raise RunError(f"{name}: {first_line(str(exc))}"
                            + (f" ({note[2:]})" if note else "")) from exc
         param_places, out_places = (m.placements(executable) if m.mode == "partition"
                                     else (None, None))
@@ -1001,7 +1006,7 @@ def _execute_job(job: _Job, status=lambda _: None, progress_stream=None) -> list
             pieces, seconds = executable.execute(per_device, job.iterations if index == 0 else 1,
                                                  bar.update if bar else None)
         except xla_bridge.XlaBridgeError as exc:
-            raise RunError(f"{name}: {_first_line(str(exc))}") from exc
+            raise RunError(f"{name}: {first_line(str(exc))}") from exc
         if spans:
             status(f"gathering the outputs of {name}")
             pieces = [xla_bridge.gather_from_processes(p, run_devices, process_index) for p in pieces]
@@ -1159,7 +1164,7 @@ def _worker_main(job_path: str) -> None:
     except Exception as exc:  # noqa: BLE001 - still one line for the parent
         _atomic_write(os.path.join(directory, _RESULT_FILE),
                       json.dumps({"error": f"internal error: {type(exc).__name__}: "
-                                           f"{_first_line(str(exc))}"}))
+                                           f"{first_line(str(exc))}"}))
         code = 3
     sys.stdout.flush()
     sys.stderr.flush()
@@ -1174,7 +1179,7 @@ _CRASH_LINE = re.compile(r"(Check failed.*|RET_CHECK.*|Fatal Python error.*|Segm
                          r"|terminate called.*)")
 
 
-def _crash_message(returncode: int, stderr: str, phase: str) -> str:
+def crash_message(returncode: int, stderr: str, phase: str) -> str:
     if returncode < 0:
         try:
             how = signal.Signals(-returncode).name
@@ -1202,7 +1207,7 @@ def _crash_message(returncode: int, stderr: str, phase: str) -> str:
     return f"XLA crashed{where} ({how})" + (f": {detail}" if detail else "")
 
 
-def _child_env() -> dict:
+def child_env() -> dict:
     env = dict(os.environ)
     package_root = str(pathlib.Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
@@ -1222,7 +1227,7 @@ def _spawn(job_dict: dict, directory: str, progress_fd: int | None):
         [sys.executable, "-c", "import sys; from hlo_tools.runner import _worker_main; "
                                "_worker_main(sys.argv[1])", job_path],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr_file,
-        env=_child_env(), pass_fds=(progress_fd,) if progress_fd is not None else (),
+        env=child_env(), pass_fds=(progress_fd,) if progress_fd is not None else (),
         start_new_session=False)
     stderr_file.close()
     return proc
@@ -1243,7 +1248,7 @@ def _collect(proc, directory: str) -> list[RunResult]:
             stderr = f.read()
     except OSError:
         stderr = ""
-    raise RunError(_crash_message(proc.returncode, stderr, phase))
+    raise RunError(crash_message(proc.returncode, stderr, phase))
 
 
 def _progress_fd(progress: bool) -> int | None:
@@ -1268,16 +1273,33 @@ def _run_isolated(job: _Job, timeout: float | None, **distributed) -> list[RunRe
             if fd is not None:
                 os.close(fd)
         try:
-            proc.wait(timeout=timeout)
+            wait_for_child(proc, timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
             raise RunError(f"the run took longer than {timeout:g} s and was stopped") from None
-        except BaseException:
-            proc.kill()
-            proc.wait()
-            raise
         return _collect(proc, directory)
+
+
+def ensure_cpu_devices(needed: int, count: int) -> None:
+    """Before jax starts its CPU backend: give it ``count`` devices when XLA_FLAGS would give
+    fewer than ``needed`` (once the backend runs, its device count is fixed)."""
+    from hlo_tools import xla_bridge  # noqa: PLC0415
+
+    if xla_bridge.backend_initialized():
+        return
+    flag = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    if needed > (int(flag.group(1)) if flag else 1):
+        xla_bridge.configure_cpu_devices(count)
+
+
+def wait_for_child(proc, timeout: float | None) -> None:
+    """Wait for a child process; on a timeout (``subprocess.TimeoutExpired`` is raised) or an
+    interruption, kill it first, so that no child outlives its caller."""
+    try:
+        proc.wait(timeout=timeout)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
 
 
 def _free_loopback_port() -> int:

@@ -312,28 +312,21 @@ def _compile_and_measure(text: str, platform: str) -> dict:
     try:
         module = xla_bridge.xla_parse(text)
     except xla_bridge.XlaBridgeError as exc:
-        raise XlaCostError(runner._first_line(str(exc))) from exc
+        raise XlaCostError(runner.first_line(str(exc))) from exc
     printed = xla_bridge.module_text(module)
-    replicas, partitions = runner._header_counts(text)
-    if not (replicas or partitions):
-        param_shardings, root_sharding = runner._entry_shardings(printed)
-        partitions = runner._sharding_device_count(list(param_shardings.values()) + [root_sharding])
-    replicas, partitions = replicas or 1, partitions or 1
+    replicas, partitions = runner.device_counts(text, printed)
     marked = runner.partitioner_for(printed)
     partitioner = marked or ("prepartitioned" if partitions > 1 else "none")
     needed = replicas * partitions
     if platform == "cpu" and needed > runner.MAX_CPU_DEVICES:
         raise XlaCostError(f"{needed} devices do not fit this machine (at most "
                            f"{runner.MAX_CPU_DEVICES} CPU devices)")
-    if platform == "cpu" and not xla_bridge.backend_initialized():
-        flag = re.search(r"--xla_force_host_platform_device_count=(\d+)",
-                         os.environ.get("XLA_FLAGS", ""))
-        if needed > (int(flag.group(1)) if flag else 1):
-            xla_bridge.configure_cpu_devices(needed)
+    if platform == "cpu":
+        runner.ensure_cpu_devices(needed, needed)
     try:
         devices, process_index = xla_bridge.platform_devices(platform)
     except xla_bridge.XlaBridgeError as exc:
-        raise XlaCostError(runner._first_line(str(exc))) from exc
+        raise XlaCostError(runner.first_line(str(exc))) from exc
     if needed > len(devices):
         raise XlaCostError(f"{needed} devices are needed, platform '{platform}' has {len(devices)}")
     try:
@@ -344,7 +337,7 @@ def _compile_and_measure(text: str, platform: str) -> dict:
         scheduled = re.search(r"^\s*HloModule\b[^\n]*\bis_scheduled=true", printed, re.M)
         hint = (" (an already optimized module, is_scheduled=true; XLA compiles modules from "
                 "before optimization)") if scheduled else ""
-        raise XlaCostError(runner._first_line(str(exc)) + hint) from exc
+        raise XlaCostError(runner.first_line(str(exc)) + hint) from exc
     cost = {key: float(value) for key, value in executable.cost_analysis().items()
             if isinstance(value, (int, float))}
     return {"platform": platform, "num_replicas": replicas, "num_partitions": partitions,
@@ -388,20 +381,14 @@ def _measure_isolated(text: str, platform: str, timeout: float | None) -> dict:
                                        "_worker_main(*sys.argv[1:])",
                  module_path, result_path, platform],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr,
-                env=runner._child_env())
+                env=runner.child_env())
         try:
-            proc.wait(timeout=timeout)
+            runner.wait_for_child(proc, timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
             raise XlaCostError(f"compiling took longer than {timeout:g} s and was stopped") from None
-        except BaseException:
-            proc.kill()
-            proc.wait()
-            raise
         if not os.path.exists(result_path):
             with open(stderr_path, errors="replace") as f:
-                raise XlaCostError(runner._crash_message(proc.returncode, f.read(), "compiling"))
+                raise XlaCostError(runner.crash_message(proc.returncode, f.read(), "compiling"))
         with open(result_path, encoding="utf-8") as f:
             payload = json.load(f)
     if "error" in payload:

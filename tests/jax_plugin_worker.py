@@ -111,18 +111,21 @@ def threads_scenario(threads: int = 8) -> dict:
 MLP_WIDTHS = (256, 256, 256, 256, 256, 256, 128, 10)
 
 
-def build_flax_training(widths: tuple[int, ...] = MLP_WIDTHS):
-    """A Flax MLP (Dense layers of `widths`) trained with optax adam, data parallel over 8 CPU devices.
+def build_flax_training(widths: tuple[int, ...] = MLP_WIDTHS, *, optimizer=None,
+                        pmean_each_gradient: bool = True, check_vma: bool = False,
+                        donate: bool = True, batch_per_device: int = 32):
+    """A Flax MLP (Dense layers of `widths`) trained data parallel over 8 CPU devices.
 
-    The step is shard_map under jit. Each gradient is averaged with its own
-    `lax.pmean` (a `pmean` of the whole tree would already be one variadic
-    all-reduce): one all-reduce per parameter, 16 for the default 8 layers,
-    plus one for the loss, unless a combiner merges them. `check_vma=False`
-    keeps shard_map from adding its own reductions of the replicated
-    parameters' gradients.
+    The step is shard_map under jit, with optax adam(1e-3) unless `optimizer`
+    is given. By default each gradient is averaged with its own `lax.pmean` (a
+    `pmean` of the whole tree, `pmean_each_gradient=False`, would already be one
+    variadic all-reduce): one all-reduce per parameter, 16 for the default 8
+    layers, plus one for the loss, unless a combiner merges them.
+    `check_vma=False` keeps shard_map from adding its own reductions of the
+    replicated parameters' gradients.
 
-    Returns `(step, (params, opt_state, images, labels))`; `step` donates the
-    parameters and optimizer state and returns new ones and the loss.
+    Returns `(step, (params, opt_state, images, labels))`; `step` (donating the
+    parameters and optimizer state when `donate`) returns new ones and the loss.
     """
     import flax.linen as nn
     import jax
@@ -137,7 +140,8 @@ def build_flax_training(widths: tuple[int, ...] = MLP_WIDTHS):
                 x = nn.relu(nn.Dense(width)(x))
             return nn.Dense(widths[-1])(x)
 
-    model, optimizer = MLP(), optax.adam(1e-3)
+    model = MLP()
+    optimizer = optimizer or optax.adam(1e-3)
     mesh = jax.make_mesh((N_DEVICES,), ("data",))
 
     def train_step(params, opt_state, images, labels):
@@ -146,12 +150,14 @@ def build_flax_training(widths: tuple[int, ...] = MLP_WIDTHS):
             return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
         loss, grads = jax.value_and_grad(loss_fn)(params)
-        grads = jax.tree.map(lambda g: jax.lax.pmean(g, "data"), grads)
+        grads = (jax.tree.map(lambda g: jax.lax.pmean(g, "data"), grads) if pmean_each_gradient
+                 else jax.lax.pmean(grads, "data"))
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, "data")
 
     step = jax.jit(jax.shard_map(train_step, mesh=mesh, in_specs=(P(), P(), P("data"), P("data")),
-                                 out_specs=(P(), P(), P()), check_vma=False), donate_argnums=(0, 1))
+                                 out_specs=(P(), P(), P()), check_vma=check_vma),
+                   donate_argnums=(0, 1) if donate else ())
 
     @jax.jit
     def init(key):
@@ -161,8 +167,8 @@ def build_flax_training(widths: tuple[int, ...] = MLP_WIDTHS):
     params, opt_state = jax.device_put(init(jax.random.key(0)), NamedSharding(mesh, P()))
     rng = np.random.default_rng(0)
     batch = NamedSharding(mesh, P("data"))
-    images = jax.device_put(rng.standard_normal((N_DEVICES * 32, 64), dtype=np.float32), batch)
-    labels = jax.device_put(rng.integers(0, widths[-1], N_DEVICES * 32).astype(np.int32), batch)
+    images = jax.device_put(rng.standard_normal((N_DEVICES * batch_per_device, 64), dtype=np.float32), batch)
+    labels = jax.device_put(rng.integers(0, widths[-1], N_DEVICES * batch_per_device).astype(np.int32), batch)
     return step, (params, opt_state, images, labels)
 
 

@@ -15,7 +15,6 @@ import sys
 
 import numpy as np
 
-N_DEVICES = 8
 WIDTHS = (128, 128, 10)  # Dense layers; input width 64
 
 OPTIMIZERS = {
@@ -25,45 +24,14 @@ OPTIMIZERS = {
 
 
 def train(optimizer_name: str, steps: int) -> dict[str, np.ndarray]:
-    import flax.linen as nn
     import jax
-    import jax.numpy as jnp
     import optax
-    from jax.sharding import NamedSharding, PartitionSpec as P
 
-    class MLP(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            for width in WIDTHS[:-1]:
-                x = nn.relu(nn.Dense(width)(x))
-            return nn.Dense(WIDTHS[-1])(x)
+    from jax_plugin_worker import build_flax_training
 
-    model, optimizer = MLP(), OPTIMIZERS[optimizer_name](optax)
-    mesh = jax.make_mesh((N_DEVICES,), ("data",))
-
-    def train_step(params, opt_state, images, labels):
-        def loss_fn(p):
-            logits = model.apply(p, images)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        grads = jax.lax.pmean(grads, "data")
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, "data")
-
-    step = jax.jit(jax.shard_map(train_step, mesh=mesh, in_specs=(P(), P(), P("data"), P("data")),
-                                 out_specs=(P(), P(), P())))
-
-    @jax.jit
-    def init(key):
-        params = model.init(key, jnp.zeros((1, 64)))
-        return params, optimizer.init(params)
-
-    params, opt_state = jax.device_put(init(jax.random.key(0)), NamedSharding(mesh, P()))
-    rng = np.random.default_rng(0)
-    batch = NamedSharding(mesh, P("data"))
-    images = jax.device_put(rng.standard_normal((N_DEVICES * 16, 64), dtype=np.float32), batch)
-    labels = jax.device_put(rng.integers(0, WIDTHS[-1], N_DEVICES * 16).astype(np.int32), batch)
+    step, (params, opt_state, images, labels) = build_flax_training(
+        WIDTHS, optimizer=OPTIMIZERS[optimizer_name](optax), pmean_each_gradient=False,
+        check_vma=True, donate=False, batch_per_device=16)
     losses = []
     for _ in range(steps):
         params, opt_state, loss = step(params, opt_state, images, labels)

@@ -17,11 +17,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import tempfile
 import time
 
 import hlo_tools
 from hlo_tools import HloModule
+from hlo_tools.cli import write_atomically
+from hlo_tools.dump import module_file_name
 
 from .core import HloPass, PassError, pass_class
 
@@ -128,7 +129,7 @@ class Pipeline:
         if numbered:
             self._dump_count += 1
             step = f"{self._dump_count:04d}."
-        name = f"module_{self.module_number:04d}.{sanitize_file_name(module.name)}.{step}{what}.txt"
+        name = module_file_name(self.module_number, module.name, f"{step}{what}.txt")
         header = "".join(f"// {line}\n" for line in notes)
         write_atomically(os.path.join(self.dump_to, name), header + module.to_text())
 
@@ -164,24 +165,6 @@ def restore(module: HloModule, text: str) -> None:
 def run_passes(module: HloModule, passes, **options) -> bool:
     """Run pipeline text (or pass objects) on `module` in place; return whether it changed."""
     return Pipeline(passes, **options).run(module)
-
-
-def sanitize_file_name(name: str) -> str:
-    """A module name as XLA writes it into dump file names (odd characters become `_`)."""
-    return re.sub(r"[^A-Za-z0-9_.\-]", "_", name)
-
-
-def write_atomically(path: str, text: str) -> None:
-    """Write `text` to `path` through a temporary file in the same directory and a rename."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".xla-passes-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 # --- pipeline text ---------------------------------------------------------------------------------
