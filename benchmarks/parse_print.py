@@ -8,7 +8,8 @@ and after them, times, as the median of several runs:
   * hlo_tools: ``parse_module``, ``to_text()`` and ``to_text(regenerate=True)``;
   * XLA (through ``hlo_tools.xla_bridge``): ``hlo_module_from_text`` and ``to_string()``;
 
-and prints a markdown table with the ratios ours / XLA.
+and prints a markdown table with the ratios ours / XLA. The two sides of each
+operation run in turn, so that changes in the machine's load hit both alike.
 
 Needs the test extra (Flax, optax): ``pip install -e '.[test]'``.
 Run from the repository root: ``.venv/bin/python benchmarks/parse_print.py``.
@@ -89,14 +90,15 @@ def training_step_hlo(layers: int) -> dict[str, str]:
             "after optimizations": lowered.compile().as_text()}
 
 
-def median_seconds(fn, reps: int) -> float:
-    """Median wall time of ``reps`` calls of ``fn``."""
-    times = []
+def median_seconds(fns, reps: int) -> list[float]:
+    """Median wall time of each of ``fns`` over ``reps`` rounds that call each once, in turn."""
+    times = [[] for _ in fns]
     for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for fn, seconds in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            seconds.append(time.perf_counter() - start)
+    return [statistics.median(seconds) for seconds in times]
 
 
 def benchmark(label: str, text: str, reps: int) -> list[str]:
@@ -115,7 +117,7 @@ def benchmark(label: str, text: str, reps: int) -> list[str]:
     lines = len(text.splitlines())
     out = []
     for operation, ours, xla in rows:
-        ours_s, xla_s = median_seconds(ours, reps), median_seconds(xla, reps)
+        ours_s, xla_s = median_seconds([ours, xla], reps)
         out.append(f"| {label} | {lines} | {operation} | {ours_s * 1e3:.2f} | {xla_s * 1e3:.2f} "
                    f"| {ours_s / xla_s:.3g}x |")
     return out

@@ -21,14 +21,17 @@
    spent inside the plugin's hook. The target is an overhead of at most 10% of
    XLA's own compile time.
 
-The model is the one tests/test_jax_plugin.py trains (tests/jax_plugin_worker.py):
+3. Where the hook's time goes, on the module XLA hands it for the largest
+   ``--compile-layers`` model (taken from a dump, turned back into a proto):
+   each step of ``xla_passes.jax.rewrite_module`` timed on its own, the steps
+   interleaved, median of ``--compiles`` runs.
+
+The model is the one tests/test_jax_plugin.py and the demo train (xla_passes/training.py):
 an MLP of Dense layers with one all-reduce per gradient.
 
-Needs the test extra (Flax, optax): ``pip install -e '.[test]'``.
 Run from the repository root: ``.venv/bin/python benchmarks/plugin.py``.
 """
 import os
-import sys
 
 # XLA reads XLA_FLAGS once, when its CPU backend starts: set it before importing jax.
 os.environ["XLA_FLAGS"] = " ".join(
@@ -38,21 +41,24 @@ for _variable in [name for name in os.environ if name.startswith("XLA_PASSES")]:
     del os.environ[_variable]  # this benchmark switches the passes itself
 
 import argparse  # noqa: E402
+import glob  # noqa: E402
 import logging  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
 
+import hlo_tools  # noqa: E402
 import xla_passes.jax  # noqa: E402
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from jax_plugin_worker import build_flax_training  # noqa: E402
+from hlo_tools import xla_bridge  # noqa: E402
+from hlo_tools.verifier import verify_edits, verify_module  # noqa: E402
+from xla_passes import Pipeline  # noqa: E402
+from xla_passes.configuration import Settings  # noqa: E402
+from xla_passes.training import NO_XLA_COMBINER, build_flax_training, compile_step  # noqa: E402
 
 PASSES = "collective-fusion"
-# The CPU pipeline's combiner is "cpu-all-reduce-combiner"; other backends call theirs "all-reduce-combiner".
-NO_XLA_COMBINER = {"xla_disable_hlo_passes": "all-reduce-combiner,cpu-all-reduce-combiner"}
 
 # (key, label, compiler options, passes)
 STEP_CONFIGURATIONS = [
@@ -67,27 +73,11 @@ def widths(layers: int) -> tuple[int, ...]:
     return (256,) * (layers - 2) + (128, 10)
 
 
-def compile_step(step, args, compiler_options, passes):
-    """A fresh compile of the step with XLA options and our passes as given."""
-    if passes:
-        xla_passes.jax.enable(passes)
-    else:
-        xla_passes.jax.disable()
-    try:
-        jax.clear_caches()
-        lowered = step.lower(*args)  # a fresh Lowered: each caches its one executable
-        start = time.perf_counter()
-        compiled = lowered.compile(compiler_options=compiler_options)
-        return compiled, time.perf_counter() - start
-    finally:
-        xla_passes.jax.disable()
-
-
 def step_time_table(layers: int, steps: int, rounds: int) -> str:
     step, args = build_flax_training(widths(layers))
     runs = {}
     for key, _, options, passes in STEP_CONFIGURATIONS:
-        compiled, _ = compile_step(step, args, options, passes)
+        compiled, _ = compile_step(step, args, passes, compiler_options=options)
         state = jax.tree.map(lambda leaf: leaf.copy(), args)  # each executable donates its own buffers
         runs[key] = {"compiled": compiled, "state": state, "seconds": [],
                      "all_reduces": compiled.as_text().count(" all-reduce(")}
@@ -141,14 +131,15 @@ def compile_time_row(layers: int, compiles: int) -> str:
     logger.propagate = False
     try:
         step, args = build_flax_training(widths(layers))
-        compiled, _ = compile_step(step, args, NO_XLA_COMBINER, None)  # also warms XLA up
+        compiled, _ = compile_step(step, args, None, compiler_options=NO_XLA_COMBINER)  # also warms XLA up
         lines = compiled.as_text().count("\n")
         seconds = {"off": [], "on": []}
         hook = []
         for _ in range(compiles):
             for mode in ("off", "on"):  # interleaved, so that drift in machine load hits both alike
                 hook_times.milliseconds.clear()
-                _, compile_s = compile_step(step, args, NO_XLA_COMBINER, PASSES if mode == "on" else None)
+                _, compile_s = compile_step(step, args, PASSES if mode == "on" else None,
+                                            compiler_options=NO_XLA_COMBINER)
                 seconds[mode].append(compile_s)
                 if mode == "on":
                     hook.append(sum(hook_times.milliseconds) / 1e3)
@@ -169,6 +160,51 @@ def compile_time_table(layer_counts: list[int], compiles: int) -> str:
     return "\n".join(lines)
 
 
+def hook_phase_table(layers: int, runs: int) -> str:
+    """Each step of the hook on the step's module, timed on its own (interleaved, median of `runs`)."""
+    step, args = build_flax_training(widths(layers))
+    with tempfile.TemporaryDirectory() as dump:
+        compile_step(step, args, PASSES, compiler_options=NO_XLA_COMBINER, dump_to=dump)
+        [before] = glob.glob(os.path.join(dump, "*.jit_train_step.before_xla_passes.txt"))
+        with open(before, encoding="utf-8") as f:
+            proto = xla_bridge.text_to_proto(f.read())
+    text = xla_bridge.proto_to_text(proto)
+
+    def rewritten():
+        module = hlo_tools.parse_module(text)
+        Pipeline(PASSES, verify=False).run(module)
+        return module
+
+    edited = rewritten()
+    steps = [
+        ("proto -> text (XLA's printer)", lambda: xla_bridge.proto_to_text(proto)),
+        ("parse (hlo_tools)", lambda: hlo_tools.parse_module(text)),
+        (f"{PASSES} (parse excluded)", lambda: Pipeline(PASSES, verify=False).run(hlo_tools.parse_module(text))),
+        ("verify the edits (what the pipeline runs)", lambda: verify_edits(edited)),
+        ("verify the whole module (before: every pass)", lambda: verify_module(edited)),
+        ("print + text -> proto (XLA's parser)", lambda: xla_bridge.text_to_proto(edited.to_text())),
+        ("the whole hook (rewrite_module)", lambda: xla_passes.jax.rewrite_module(proto, Settings(PASSES))),
+    ]
+    seconds = {label: [] for label, _ in steps}
+    for _ in range(runs):
+        for label, run in steps:
+            start = time.perf_counter()
+            run()
+            seconds[label].append(time.perf_counter() - start)
+    parse_s = statistics.median(seconds["parse (hlo_tools)"])
+    lines = [f"The hook's steps on the {layers}-layer step's module ({text.count(chr(10))} lines), "
+             f"median of {runs} interleaved runs",
+             "",
+             "| step | ms |",
+             "| --- | ---: |"]
+    for label, _ in steps:
+        median = statistics.median(seconds[label])
+        if label.startswith(PASSES):
+            median -= parse_s
+        lines.append(f"| {label} | {1e3 * median:.1f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8, help="Dense layers of the step-time model")
@@ -182,7 +218,10 @@ def main(argv: list[str] | None = None) -> None:
     print()
     print(step_time_table(args.layers, args.steps, args.rounds))
     print()
-    print(compile_time_table([int(n) for n in args.compile_layers.split(",")], args.compiles))
+    layer_counts = [int(n) for n in args.compile_layers.split(",")]
+    print(compile_time_table(layer_counts, args.compiles))
+    print()
+    print(hook_phase_table(max(layer_counts), args.compiles))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ Every failure is reported as a single line on stderr,
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import os
 import sys
@@ -27,6 +28,8 @@ COMMAND_MODULES = (
     "hlo_tools.dump_command",
     "hlo_tools.stats_command",
     "hlo_tools.diff_command",
+    "hlo_tools.graph_command",
+    "hlo_tools.report_command",
 )
 
 
@@ -129,8 +132,18 @@ def write_output(text: str, out_path: str | None, input_path: str) -> None:
 
 def write_atomically(path: str, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file in its directory and a rename,
-    so that readers never see a half-written file."""
+    so that readers never see a half-written file.
+
+    A path that exists and is not a regular file (``/dev/null``, a FIFO) is written
+    in place: a rename would replace the device itself.
+    """
+    if os.path.exists(path) and not os.path.isfile(path):
+        with open(path, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+        return
     directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), directory)
     fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=".hlo-tools-", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:

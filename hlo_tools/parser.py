@@ -11,7 +11,9 @@ reproduces unmodified text byte for byte.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
+import operator
 import re
 
 from . import attributes as A
@@ -40,6 +42,9 @@ _FAST_OPCODES = frozenset(OPCODES)
 _STACK_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
 _SHAPE_CACHE: dict[str, Shape] = {}
 _ATTR_CACHE: dict[tuple[str, str], object] = {}
+_LITERAL_CACHE: dict[tuple[Shape, str], Literal] = {}
+_LITERAL_CACHE_LIMIT = 20_000
+_SHORT_LITERAL = 200  # longer literals are parsed afresh (and not kept) each time
 _SHAPE_RE = (r"[a-z][a-z0-9]*\[[^\]\n]*\](?:\{[^{}\n]*\})?"
              r"|\((?:[^()\n]|\((?:[^()\n]|\([^()\n]*\))*\))*\)")
 # `ROOT %name = shape opcode(operands)` on one line, operands without nested parentheses.
@@ -51,15 +56,20 @@ _FAST_OPERAND = re.compile(_OPERAND_RE)
 _ARRAY_RE = r"[a-z][a-z0-9]*\[[^\]\n]*\](?:\{[^{}\n]*\})?"
 _FAST_SIGNATURE = re.compile(r"\(((?:[^()\n])*)\)[ \t]*->[ \t]*(" + _ARRAY_RE + r")")
 _FAST_PARAM = re.compile(r"([A-Za-z_][\w.\-]*)[ \t]*:[ \t]*(" + _ARRAY_RE + r")")
-_STR_RE = r'"(?:[^"\\]|\\.)*"'
-_BRACED_RE = r"\{(?:[^{}\"]|" + _STR_RE + r"|\{(?:[^{}\"]|" + _STR_RE + r"|\{(?:[^{}\"]|" + _STR_RE + r")*\})*\})*\}"
+# Possessive (`++`, `*+`): the same matches as plain repeats here, without retrying every split of a run
+# of characters, which made attribute matching several times slower.
+_STR_RE = r'"(?:[^"\\]++|\\.)*+"'
+_BRACED_RE = (r"\{(?:[^{}\"]++|" + _STR_RE + r"|\{(?:[^{}\"]++|" + _STR_RE + r"|\{(?:[^{}\"]++|" + _STR_RE
+              + r")*+\})*+\})*+\}")
 # `, key=value` where value is a word, a string, or braces nested at most three deep.
 _FAST_ATTR_RE = (r"[ \t]*,[ \t]*([A-Za-z_][\w.\-]*)=(" + _STR_RE + "|" + _BRACED_RE
                  + r"|[^\s,{}()\"\[\]]+)(?=[\s,)}]|$)")
 _FAST_ATTR = re.compile(_FAST_ATTR_RE)
-# One whole ordinary instruction line, preceded by its blank space (consumed by _fast_lines).
+# One whole ordinary instruction line, preceded by its blank space (consumed by _fast_lines); the
+# attributes run to the line's last non-blank character (greedy, then one step back: a lazy `*?` that
+# tries the end-of-line lookahead at every character costs twice as much).
 _FAST_LINE = re.compile(r"[ \t]*(?:\n[ \t]*)+((ROOT[ \t]+)?(%?([A-Za-z_][\w.\-]*))[ \t]*=[ \t]*(" + _SHAPE_RE
-                        + r")[ \t]+([a-z][a-z0-9\-]*)\(([^()\n]*)\)([^\n]*?))(?=[ \t]*\n)")
+                        + r")[ \t]+([a-z][a-z0-9\-]*)\(([^()\n]*)\)((?:[^\n]*[^ \t\n])?))(?=[ \t]*\n)")
 _FAST_ATTR_PIECE = re.compile("(" + _FAST_ATTR_RE.replace("([A-Za-z_]", "(?P<k>[A-Za-z_]", 1).replace("=(", "=(?P<v>", 1) + ")")
 _FAST_ATTRS = re.compile("(?:" + _FAST_ATTR_RE.replace("([A-Za-z_]", "(?:[A-Za-z_]").replace("=(", "=(?:") + ")*")
 _FAST_OPERAND_LIST = re.compile(_OPERAND_RE.replace("(?:([", "(?:(?:[").replace("%?([", "%?(?:[")
@@ -77,17 +87,29 @@ def parse_module(text: str) -> HloModule:
         else:
             raise TypeError(f"parse_module expects str, got {type(text).__name__}")
     parser = _Parser(text)
-    gc_was_enabled = gc.isenabled()
-    gc.disable()  # parsing allocates many long-lived objects; collecting midway only costs time
     try:
-        return parser.module()
+        with garbage_collection_paused():  # a parse allocates many long-lived objects
+            return parser.module()
     except HloParseError:
         raise
     except (RecursionError, ValueError, IndexError, KeyError, TypeError, AttributeError, OverflowError) as e:
         # A parser bug must still surface as the documented error type; "internal error" marks it.
         raise parser.error(f"internal error while parsing: {type(e).__name__}: {e}") from e
+
+
+@contextlib.contextmanager
+def garbage_collection_paused():
+    """No garbage collection inside the block (unless it was already off).
+
+    Building or rewriting an IR allocates tens of thousands of objects that stay alive, and each
+    collection midway walks all of them (and everything else the process holds) for nothing.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
     finally:
-        if gc_was_enabled:
+        if was_enabled:
             gc.enable()
 
 
@@ -100,6 +122,25 @@ def parse_shape(text: str) -> Shape:
     if p.pos != len(text):
         raise p.error("unexpected text after the shape")
     return shape
+
+
+_first = operator.itemgetter(0)
+
+
+def _fast_literal(shape: Shape, text: str) -> Literal | None:
+    """The literal of a one-line `constant(text)`, shared with equal ones; None: the general path decides.
+
+    Only text the general path would capture unchanged (no surrounding blank, no comment) is taken.
+    """
+    if not text or text[0].isspace() or text[-1].isspace() or "/*" in text:
+        return None
+    try:
+        literal = Literal.parse(shape, text)
+    except A.AttrError:
+        return None  # the general path reports the error with its position
+    if len(text) < _SHORT_LITERAL and len(_LITERAL_CACHE) < _LITERAL_CACHE_LIMIT:
+        _LITERAL_CACHE[(shape, text)] = literal
+    return literal
 
 
 class _Parser:
@@ -574,51 +615,70 @@ class _Parser:
     def _fast_lines(self, comp: HloComputation, symbols: dict, prev_end: int) -> int:
         """Consume a run of ordinary one-line instructions, one regex match each.
 
-        Stops at the first line that needs the general path (nested instructions, constants, new
-        shapes, anything unusual or wrong), which then parses it and reports any error.
-        Returns the end of the last instruction consumed.
+        Stops at the first line that needs the general path (nested instructions, tuple constants,
+        new shapes, anything unusual or wrong), which then parses it and reports any error.
+        Returns the end of the last instruction consumed. (Hot: methods are bound to locals.)
         """
         text, module = self.text, self.module_
-        names, gaps, instructions = module._names, comp._gaps, comp.instructions
-        shape_cache, attr_cache = _SHAPE_CACHE, _ATTR_CACHE
+        gaps, instructions = comp._gaps, comp.instructions
+        add_name, add_instruction = module._names.add, instructions.append
+        shape_of, attr_of, literal_of = _SHAPE_CACHE.get, _ATTR_CACHE.get, _LITERAL_CACHE.get
+        symbol, count_newlines = symbols.get, text.count
         known_computations = self.computations_by_name
         saw = self.saw
-        find_operands, find_attrs = _FAST_OPERAND.findall, _FAST_ATTR_PIECE.findall
+        sigil_seen = saw["sigil"]
+        find_operands, find_attrs, match_line = _FAST_OPERAND.findall, _FAST_ATTR_PIECE.findall, _FAST_LINE.match
         pos = self.pos
         line = self.line_of(pos)
         while True:
-            m = _FAST_LINE.match(text, pos)
+            m = match_line(text, pos)
             if m is None:
                 break
-            root, name, shape_text, opcode, ops_text, attrs_text = m.group(2, 4, 5, 6, 7, 8)
+            root, full_name, name, shape_text, opcode, ops_text, attrs_text = m.group(2, 3, 4, 5, 6, 7, 8)
             if attrs_text and attrs_text[0] not in ", \t":
                 break
-            shape = shape_cache.get(shape_text)
-            if (shape is None or name in symbols or opcode == "constant" or opcode not in _FAST_OPCODES
+            shape = shape_of(shape_text)
+            if (shape is None or name in symbols or opcode not in _FAST_OPCODES
                     or (root and comp.root is not None)):
                 break
-            operands, parameter_number = [], None
+            operands, parameter_number, literal = [], None, None
             if opcode == "parameter":
                 if not ops_text.isdigit():
                     break
                 parameter_number = int(ops_text)
+            elif opcode == "constant":
+                literal = literal_of((shape, ops_text))
+                if literal is None:
+                    literal = _fast_literal(shape, ops_text)
+                    if literal is None:
+                        break
             elif ops_text:
                 if not saw["operands"]:
                     saw["operands"] = True
                     saw["operand_shape"] = bool(find_operands(ops_text)[0][0])
-                for op_shape, op_name in find_operands(ops_text):
-                    op = symbols.get(op_name)
-                    if op is None or (op_shape and shape_cache.get(op_shape) is not op.shape):
-                        break
-                    operands.append(op)
-                else:
-                    op = True
-                if op is None or op is not True:
+                if "[" in ops_text or "/" in ops_text:  # operand shapes or `/*index=N*/` comments
+                    for op_shape, op_name in find_operands(ops_text):
+                        op = symbol(op_name)
+                        if op is None or (op_shape and shape_of(op_shape) is not op.shape):
+                            break
+                        operands.append(op)
+                    else:
+                        op = True
+                else:  # `%a, %b`: a name that is not a defined instruction's sends the line to the general path
+                    for op_name in ops_text.split(","):
+                        op_name = op_name.strip()
+                        op = symbol(op_name[1:] if op_name[:1] == "%" else op_name)
+                        if op is None:
+                            break
+                        operands.append(op)
+                    else:
+                        op = True
+                if op is not True:
                     break
             attrs = {}
             if attrs_text:
                 pieces = find_attrs(attrs_text)
-                if sum(len(p[0]) for p in pieces) != len(attrs_text):
+                if sum(map(len, map(_first, pieces))) != len(attrs_text):
                     break  # something the simple attribute form does not cover
                 for _, key, raw in pieces:
                     if key in attrs or key == "literal" or key == "control-predecessors":
@@ -631,7 +691,7 @@ class _Parser:
                             break
                         attrs[key] = callee
                         continue
-                    value = attr_cache.get((key, raw))
+                    value = attr_of((key, raw))
                     if value is None:
                         try:
                             value = self._typed_attr(key, raw, m.start(8))
@@ -641,27 +701,28 @@ class _Parser:
                     attrs[key] = value
                 if attrs is None:
                     break
-            gap_start = m.start()
-            instr_start = m.start(1)
-            line += text.count("\n", gap_start, instr_start)
-            instr = HloInstruction(name, opcode, shape, operands, attrs, parameter_number)
+            instr_start, end = m.span(1)
+            line += count_newlines("\n", pos, instr_start)
+            instr = HloInstruction(name, opcode, shape, operands, attrs, parameter_number, literal)
             instr.line = line
             for op in operands:
                 users = op.users
-                if instr not in users:
+                if not users or users[-1] is not instr:  # an operand used twice lists its user once
                     users.append(instr)
             instr.parent = comp
-            instructions.append(instr)
+            add_instruction(instr)
             symbols[name] = instr
-            names.add(name)
-            instr._span = (instr_start, m.end())
-            instr._name_start = m.start(3)
-            if text[instr._name_start] == "%":
-                saw["sigil"] = True
+            add_name(name)
+            instr._span = (instr_start, end)
             if root:
+                instr._name_start = m.start(3)
                 comp.root = instr
+            else:
+                instr._name_start = instr_start
+            if not sigil_seen and full_name[0] == "%":
+                sigil_seen = saw["sigil"] = True
             gaps[instr] = text[prev_end:instr_start]
-            prev_end = pos = m.end()
+            prev_end = pos = end
         self._line_mark = (pos, line)
         self.pos = pos
         return prev_end

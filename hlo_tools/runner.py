@@ -262,11 +262,12 @@ def _replicated(shape, n, text="{replicated}") -> _Placement:
 
 
 def _placement(desc, text: str, shape: tuple[int, ...], n: int, *, per_device: bool,
-               what: str) -> _Placement:
+               what: str, global_shape: tuple[int, ...] | None = None) -> _Placement:
     """The placement of an array under a sharding (XLA's description, see xla_bridge).
 
     ``shape`` is the per-device shape when ``per_device`` (a per-device module),
-    else the global shape (a module XLA partitions).
+    else the global shape (a module XLA partitions). ``global_shape`` is a per-device
+    module's declared global shape, when its split is uneven.
     """
     kind = desc[0]
     if kind == "replicated":
@@ -290,7 +291,12 @@ def _placement(desc, text: str, shape: tuple[int, ...], n: int, *, per_device: b
                            f"({min(devices)}..{max(devices)}), but the module runs on {n} partitions")
         if per_device:
             local = tuple(shape)
-            global_shape = tuple(s * t for s, t in zip(shape, data_dims))
+            if global_shape is None:
+                global_shape = tuple(s * t for s, t in zip(shape, data_dims))
+            elif (len(global_shape) != len(shape)
+                  or any(-(-g // t) != s for g, s, t in zip(global_shape, shape, data_dims))):
+                raise RunError(f"{what}: global shape {list(global_shape)} does not split into "
+                               f"{list(shape)} pieces under {text}")
         else:
             global_shape = tuple(shape)
             local = tuple(-(-s // t) for s, t in zip(shape, data_dims))
@@ -386,6 +392,20 @@ def _sharding_attr(line: str) -> str | None:
 
 _PARAMETER_LINE = re.compile(
     r"^(?:ROOT\s+)?%?[^\s=]+\s*=\s*(?:\([^=]*?\)|[^\s(]+)\s+parameter\((\d+)\)")
+
+
+_GLOBAL_SHAPE = re.compile(r'frontend_attributes=\{[^}]*\bglobal_shape="[a-z0-9]+\[([\d,]*)\]')
+
+
+def _entry_global_shapes(printed: str) -> dict[int, tuple[int, ...]]:
+    """Entry parameters of a per-device module whose global shape is not the per-device shape
+    times the tile counts (an uneven split): `frontend_attributes={global_shape="f32[10,4]"}`."""
+    shapes = {}
+    for line in printed.split("ENTRY ", 1)[-1].splitlines():
+        match, found = _PARAMETER_LINE.match(line.strip()), _GLOBAL_SHAPE.search(line)
+        if match and found:
+            shapes[int(match.group(1))] = tuple(int(d) for d in found.group(1).split(",") if d)
+    return shapes
 
 
 def _entry_shardings(printed: str) -> tuple[dict[int, str], str | None]:
@@ -722,8 +742,8 @@ def _validate_counts(num_replicas, num_partitions, what: str):
             raise RunError(f"{what}: {name} must be a positive integer, not {value}")
 
 
-class _Loaded:
-    """One module read by XLA, with its counts resolved."""
+class LoadedModule:
+    """One module read by XLA, with its device counts, mode and placements resolved."""
 
     def __init__(self, spec: _RunSpec, status):
         from hlo_tools import xla_bridge  # noqa: PLC0415
@@ -741,6 +761,7 @@ class _Loaded:
             raise RunError(_xla_parse_message(ref.name, str(exc))) from exc
         self.printed = xla_bridge.module_text(self.module)
         self.param_shardings, self.root_sharding = _entry_shardings(self.printed)
+        self.param_global_shapes = _entry_global_shapes(self.printed)
         self.num_replicas, self.num_partitions = device_counts(
             content if isinstance(content, str) else self.printed, self.printed,
             spec.num_replicas, spec.num_partitions)
@@ -804,19 +825,43 @@ class _Loaded:
                 else:
                     out_texts = [self.root_sharding] * len(self.results)
 
-        def place(text, shape, what):
+        def place(text, shape, what, global_shape=None):
             if text is None:
                 return _replicated(shape, n)
             desc = text if isinstance(text, tuple) else _describe(text, name, what)
             label = text if isinstance(text, str) else _desc_text(desc)
             return _placement(desc, label, tuple(shape), n, per_device=per_device,
-                              what=f"{name}: {what}")
+                              what=f"{name}: {what}", global_shape=global_shape)
 
-        params = [place(t, shape, f"parameter {k}")
+        declared = self.param_global_shapes if per_device else {}
+        params = [place(t, shape, f"parameter {k}", declared.get(k))
                   for k, (t, (shape, _)) in enumerate(zip(param_texts, self.params))]
         outs = [place(t, shape, f"output {j}")
                 for j, (t, (shape, _)) in enumerate(zip(out_texts, self.results))]
         return params, outs
+
+    def partitioner(self) -> str:
+        """The partitioner XLA compiles this module with (see xla_bridge.compile_module)."""
+        if self.partitioning == "per_device":
+            return "prepartitioned"
+        if self.partitioning == "spmd":
+            return partitioner_for(self.printed) or "gspmd"
+        # like JAX: a module with sharding markers goes through its partitioner
+        return partitioner_for(self.printed) or "none"
+
+    def compile(self, devices, process_index: int = 0, platform: str = "cpu",
+                note: str = "") -> "CompiledModule":
+        """Compile for `devices` (one per replica or partition); `note` ends compile errors."""
+        from hlo_tools import xla_bridge  # noqa: PLC0415
+
+        try:
+            executable = xla_bridge.compile_module(
+                self.module, platform, devices, process_index, num_replicas=self.num_replicas,
+                num_partitions=self.num_partitions, partitioner=self.partitioner())
+        except xla_bridge.XlaBridgeError as exc:
+            raise RunError(f"{self.spec.ref.name}: {first_line(str(exc))}"
+                           + (f" ({note})" if note else "")) from exc
+        return CompiledModule(self, executable)
 
     def global_signature(self) -> list[tuple[tuple[int, ...], np.dtype]]:
         """The global arrays the module takes, in its mode's convention (no compiling needed)."""
@@ -826,6 +871,58 @@ class _Loaded:
             params, _ = self.placements()
             return [(p.global_shape, dtype) for p, (_, dtype) in zip(params, self.params)]
         return [(tuple(shape), dtype) for shape, dtype in self.params]
+
+
+class CompiledModule:
+    """A module compiled in this process: run it many times on global arrays.
+
+    What `run_module` does per call (split global inputs over the devices,
+    execute, assemble global outputs), without compiling again: for callers
+    that run one module step after step (the TF front end, benchmarks).
+    """
+
+    def __init__(self, loaded: LoadedModule, executable):
+        self.loaded = loaded
+        self.executable = executable
+        self.parameter_places, self.output_places = (
+            loaded.placements(executable) if loaded.mode == "partition" else (None, None))
+
+    def global_outputs(self) -> list[tuple[tuple[int, ...], np.dtype]]:
+        """The global arrays `run` returns: (shape, dtype) per output leaf."""
+        if self.output_places is None:
+            return list(self.loaded.results)
+        return [(tuple(p.global_shape), dtype)
+                for p, (_, dtype) in zip(self.output_places, self.loaded.results)]
+
+    def device_inputs(self, inputs: Sequence[np.ndarray]) -> list[list[np.ndarray]]:
+        """Global `inputs`, checked against the module's signature, split per device."""
+        inputs = _check_inputs(inputs, self.loaded.global_signature(), self.loaded.spec.ref.name)
+        return _per_device_inputs(self.loaded, self.parameter_places, inputs)
+
+    def execute(self, device_inputs, iterations: int = 1, progress=None):
+        """Run on inputs already split per device: (per-output pieces by device, seconds)."""
+        from hlo_tools import xla_bridge  # noqa: PLC0415
+
+        try:
+            return self.executable.execute(device_inputs, iterations, progress)
+        except xla_bridge.XlaBridgeError as exc:
+            raise RunError(f"{self.loaded.spec.ref.name}: {first_line(str(exc))}") from exc
+
+    def assemble(self, pieces, warnings: list[str]) -> list[np.ndarray]:
+        """Global outputs from `execute`'s pieces; notes on replicas that disagree go to `warnings`."""
+        return _assemble_outputs(self.loaded, self.output_places, pieces, warnings)
+
+    def run(self, inputs: Sequence[np.ndarray], warnings: list[str] | None = None) -> list[np.ndarray]:
+        """The module's global outputs for global `inputs`."""
+        pieces, _ = self.execute(self.device_inputs(inputs))
+        return self.assemble(pieces, [] if warnings is None else warnings)
+
+
+def load_module(text: str, name: str = "<module>", num_replicas: int | None = None,
+                num_partitions: int | None = None, partition_mode: str = "auto") -> LoadedModule:
+    """XLA's reading of module `text`, with its device counts and mode as `run_module` resolves them."""
+    spec = _RunSpec(ModuleRef(text=text, display=name), num_replicas, num_partitions, partition_mode)
+    return LoadedModule(spec, lambda _: None)
 
 
 def _describe(text: str, module_name: str, what: str):
@@ -893,7 +990,7 @@ def first_line(message: str) -> str:
     return lines[0]
 
 
-def _per_device_inputs(loaded: _Loaded, placements, inputs) -> list[list[np.ndarray]]:
+def _per_device_inputs(loaded: LoadedModule, placements, inputs) -> list[list[np.ndarray]]:
     if loaded.mode == "partition":
         return [_split(x, p) for x, p in zip(inputs, placements)]
     if loaded.mode == "replica":
@@ -901,7 +998,7 @@ def _per_device_inputs(loaded: _Loaded, placements, inputs) -> list[list[np.ndar
     return [[np.ascontiguousarray(x)] for x in inputs]
 
 
-def _assemble_outputs(loaded: _Loaded, placements, pieces, warnings) -> list[np.ndarray]:
+def _assemble_outputs(loaded: LoadedModule, placements, pieces, warnings) -> list[np.ndarray]:
     outputs = []
     for j, (by_device, (shape, dtype)) in enumerate(zip(pieces, loaded.results)):
         if loaded.mode == "partition":
@@ -921,7 +1018,7 @@ def _execute_job(job: _Job, status=lambda _: None, progress_stream=None) -> list
     """
     from hlo_tools import xla_bridge  # noqa: PLC0415
 
-    loaded = [_Loaded(spec, status) for spec in job.runs]
+    loaded = [LoadedModule(spec, status) for spec in job.runs]
     biggest = max(loaded, key=lambda m: m.num_devices)
     needed = biggest.num_devices
     processes = job.num_processes
@@ -981,23 +1078,10 @@ def _execute_job(job: _Job, status=lambda _: None, progress_stream=None) -> list
         note = (", a module XLA already optimized (is_scheduled=true; run the module from "
                 "before optimization)") if optimized else ""
         status(f"compiling {name}{note}")
-        if m.partitioning == "per_device":
-            partitioner = "prepartitioned"
-        elif m.partitioning == "spmd":
-            partitioner = partitioner_for(m.printed) or "gspmd"
-        else:  # like JAX: a module with sharding markers goes through its partitioner
-            partitioner = partitioner_for(m.printed) or "none"
-        try:
-            executable = xla_bridge.compile_module(
-                m.module, job.platform, run_devices, process_index,
-                num_replicas=m.num_replicas, num_partitions=m.num_partitions,
-                partitioner=partitioner)
-        except xla_bridge.XlaBridgeError as exc:
-            raise RunError(f"{name}: {first_line(str(exc))}"
-                           + (f" ({note[2:]})" if note else "")) from exc
-        param_places, out_places = (m.placements(executable) if m.mode == "partition"
-                                    else (None, None))
-        per_device = _per_device_inputs(m, param_places, inputs)
+        compiled = m.compile(run_devices, process_index, job.platform, note[2:])
+        executable = compiled.executable
+        out_places = compiled.output_places
+        per_device = _per_device_inputs(m, compiled.parameter_places, inputs)
         status(f"running {name}")
         bar = None
         if job.progress and progress_stream is not None and job.iterations > 1 and index == 0:

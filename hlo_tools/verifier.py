@@ -1,7 +1,8 @@
 """Checks an HloModule the way XLA does: its HLO parser's semantic checks, then its HloVerifier.
 
-    from hlo_tools.verifier import verify_module
+    from hlo_tools.verifier import verify_module, verify_edits
     verify_module(module)        # HloVerifyError(message, line=..., instruction=...) on the first problem
+    verify_edits(module)         # the same checks, on what was edited since the module was parsed
 
 What is checked, in XLA's order (a module that XLA's parser would refuse fails before anything the
 verifier proper would say about it):
@@ -21,6 +22,7 @@ verifier proper would say about it):
 """
 from __future__ import annotations
 
+import functools
 import re
 
 from . import attributes as A
@@ -163,6 +165,22 @@ def verify_module(module) -> None:
     _Verifier(module).run()
 
 
+def verify_edits(module) -> None:
+    """`verify_module` restricted to what was edited since `module` was parsed.
+
+    A pipeline verifies after every pass; re-checking the untouched rest of a large module each
+    time costs more than the pass. The IR marks every edit for its printer (an edited or new
+    instruction loses its source span; its computation becomes dirty), and those marks bound what
+    an edit can break. Checked here: the structure, send/recv/async pairing and every edited or
+    new instruction of each dirty or new computation, the users of edited instructions (and
+    whole async chains), the roots and callers of dirty computations (their signatures and
+    fusion bodies), plus every module-wide check (call graph, async sharing, entry layout,
+    aliasing, layout-constrained all-reduces). A module built without parsing has no source
+    spans, so all of it is checked.
+    """
+    _Verifier(module).run(edited_only=True)
+
+
 class _Verifier:
     def __init__(self, module):
         self.module = module
@@ -196,7 +214,7 @@ class _Verifier:
             self.fail(instr, f"malformed attributes: {e}")
 
     # -- driver ----------------------------------------------------------------------------------------
-    def run(self):
+    def run(self, edited_only: bool = False):
         module = self.module
         if not module.computations:
             raise HloVerifyError("module has no computations")
@@ -208,23 +226,39 @@ class _Verifier:
                 self.fail_comp(comp, f"computation already exists: {comp.name}")
             names.add(comp.name)
             self.comp_position[comp] = i
-        for comp in module.computations:
+        computations = _dirty_computations(module) if edited_only else module.computations
+        for comp in computations:
             self.check_structure(comp)
         self.check_call_graph()
-        for comp in module.computations:
-            for instr in comp.instructions:
-                self.check_parsed_form(instr)
+        instructions = (self._edited_instructions(computations) if edited_only
+                        else [instr for comp in computations for instr in comp.instructions])
+        for instr in instructions:
+            self.check_parsed_form(instr)
         self.check_async_sharing()
         # XLA's HloVerifier proper.
         if any(c.opcode == "fusion" for c in self.callers.get(module.entry, ())):
             raise HloVerifyError("Module entry computation cannot be a fusion computation")
-        self.check_pairs()
-        for comp in module.computations:
-            for instr in comp.instructions:
-                self.check_instruction(instr)
+        self.check_pairs(computations)
+        for instr in instructions:
+            self.check_instruction(instr)
         self.check_entry_layout()
         self.check_aliasing()
         self.check_constrained_all_reduce()
+
+    def _edited_instructions(self, dirty) -> list:
+        """The instructions `verify_edits` checks one by one, in module order (see its docstring)."""
+        selected = set()
+        for comp in dirty:
+            if comp._span is None:  # built or cloned, never parsed: all of it is new
+                selected.update(comp.instructions)
+            else:
+                for instr in comp.instructions:
+                    if instr._span is None:
+                        selected.add(instr)
+                        _add_users(instr, selected)
+                selected.add(comp.root)
+            selected.update(self.callers.get(comp, ()))
+        return [instr for comp in self.module.computations for instr in comp.instructions if instr in selected]
 
     # -- 1. structure ---------------------------------------------------------------------------------
     def check_structure(self, comp):
@@ -1276,10 +1310,17 @@ class _Verifier:
         self.verify_inferred(instr)
 
     def verify_get_tuple_element(self, instr):
-        if not instr.operands[0].shape.is_tuple:
+        operand = instr.operands[0].shape
+        if not operand.is_tuple:
             self.fail(instr, f"get-tuple-element operand {instr.operands[0].name} is not a tuple: "
-                             f"{_txt(instr.operands[0].shape)}")
-        self.verify_inferred(instr)
+                             f"{_txt(operand)}")
+        index = instr.attrs.get("index")
+        if len(instr.operands) == 1 and type(index) is int and 0 <= index < len(operand.tuple_shapes):
+            # What inference gives (the check ignores layouts) without laying out every element of a
+            # wide tuple again for each of its users.
+            self.check_shape(instr, operand.tuple_shapes[index])
+        else:
+            self.verify_inferred(instr)
 
     def verify_scan(self, instr):
         comp = _single(instr.attrs.get("to_apply"))
@@ -1367,9 +1408,9 @@ class _Verifier:
                                      f"`{comp.name}`")
                 self.check_nested_threads(instr, callee, depth + 1)
 
-    def check_pairs(self):
+    def check_pairs(self, computations):
         """VerifyAsynchronousInstructionPairs and VerifyChannels."""
-        for comp in self.module.computations:
+        for comp in computations:
             async_comp = comp in self.async_owner
             for instr in comp.instructions:
                 opcode = instr.opcode
@@ -1434,18 +1475,32 @@ class _Verifier:
             self.fail(entry.root, f"Shape of the root instruction of entry computation ({_txt(entry.root.shape)}) "
                                   f"should be compatible to one specified in module's entry computation layout "
                                   f"({_txt(result)})")
-        if len(params) != entry.num_parameters:
+        num_parameters = entry.num_parameters
+        if len(params) != num_parameters:
             raise HloVerifyError(f"Number of parameters in entry computation layout ({len(params)}) must be same as "
-                                 f"number of parameters of entry computation ({entry.num_parameters})", line=1)
+                                 f"number of parameters of entry computation ({num_parameters})", line=1)
+        parameters = self.entry_parameters()
         for i, shape in enumerate(params):
-            param = entry.parameter(i)
+            param = parameters[i]
             if not compatible(param.shape, shape):
                 self.fail(param, f"Shape of the entry computation parameter {i} is {_txt(param.shape)} should be "
                                  f"compatible to the one specified in module's entry computation layout "
                                  f"{_txt(shape)}")
 
+    def entry_parameters(self) -> dict:
+        """parameter number -> parameter of the entry, numbered 0..n-1 (`parameter(i)` scans the entry each time)."""
+        entry = self.module.entry
+        params = {instr.parameter_number: instr for instr in entry.instructions if instr.opcode == "parameter"}
+        for i in range(len(params)):
+            if i not in params:
+                self.fail_comp(entry, f"computation {entry.name} has parameters numbered up to {max(params)} but no "
+                                      f"parameter {i}")
+        return params
+
     def check_aliasing(self):
         entry = self.module.entry
+        num_parameters = entry.num_parameters
+        parameters = self.entry_parameters()
         raw = self.module.attrs.get("input_output_alias")
         aliased = set()
         if raw is not None:
@@ -1462,13 +1517,13 @@ class _Verifier:
                 if out_index in outputs:
                     raise HloVerifyError(f"output {_idx(out_index)} is aliased more than once", line=1)
                 outputs.add(out_index)
-                if not 0 <= param_no < entry.num_parameters:
+                if not 0 <= param_no < num_parameters:
                     raise HloVerifyError(f"input_output_alias names parameter {param_no}, but the entry computation "
-                                         f"has {entry.num_parameters} parameters", line=1)
-                param_sub = _subshape(entry.parameter(param_no).shape, param_index)
+                                         f"has {num_parameters} parameters", line=1)
+                param_sub = _subshape(parameters[param_no].shape, param_index)
                 if param_sub is None:
                     raise HloVerifyError(f"input_output_alias: {_idx(param_index)} is not a valid index of parameter "
-                                         f"{param_no} ({_txt(entry.parameter(param_no).shape)})", line=1)
+                                         f"{param_no} ({_txt(parameters[param_no].shape)})", line=1)
                 if not param_sub.is_array or not out_sub.is_array:
                     raise HloVerifyError(f"input_output_alias: only arrays can alias, not {_txt(param_sub)} and "
                                          f"{_txt(out_sub)}", line=1)
@@ -1487,10 +1542,10 @@ class _Verifier:
             except ValueError as e:
                 raise HloVerifyError(f"malformed buffer_donor: {e}", line=1)
             for param_no, param_index in donors:
-                if not 0 <= param_no < entry.num_parameters:
+                if not 0 <= param_no < num_parameters:
                     raise HloVerifyError(f"buffer_donor names parameter {param_no}, but the entry computation has "
-                                         f"{entry.num_parameters} parameters", line=1)
-                sub = _subshape(entry.parameter(param_no).shape, param_index)
+                                         f"{num_parameters} parameters", line=1)
+                sub = _subshape(parameters[param_no].shape, param_index)
                 if sub is None or not sub.is_array:
                     raise HloVerifyError(f"buffer_donor: {_idx(param_index)} is not an array of parameter {param_no}",
                                          line=1)
@@ -1566,6 +1621,20 @@ for _op in _PLAIN_UNARY | _PLAIN_BINARY | _RESULT_ACCURACY_OPS | {"convert", "st
 # ----------------------------------------------------------------------------------------------------
 # helpers
 # ----------------------------------------------------------------------------------------------------
+def _dirty_computations(module) -> list:
+    """Computations edited since parsing, or never parsed (built or cloned by a pass)."""
+    return [comp for comp in module.computations if comp._dirty or comp._span is None]
+
+
+def _add_users(instr, selected: set) -> None:
+    """Add the users of `instr` to `selected`; through async starts and updates, the whole chain."""
+    for user in instr.users:
+        if user not in selected:
+            selected.add(user)
+            if _is_async_start_or_update(user):
+                _add_users(user, selected)
+
+
 def _txt(shape) -> str:
     return shape.to_text(False) if isinstance(shape, Shape) else str(shape)
 
@@ -1683,8 +1752,10 @@ def _parse_instruction_aliasing(text: str):
     return out
 
 
+@functools.lru_cache(maxsize=64)
 def _parse_computation_layout(text: str):
-    """`{(f32[2]{0}, s32[])->f32[2]{0}}` -> ([parameter shapes], result shape)."""
+    """`{(f32[2]{0}, s32[])->f32[2]{0}}` -> ((parameter shapes), result shape); cached, since a pipeline
+    verifies the same module's layout after every pass."""
     from .parser import parse_shape
     body = text.strip()
     if not (body.startswith("{") and body.endswith("}")):
@@ -1706,5 +1777,5 @@ def _parse_computation_layout(text: str):
     params_text, rest = body[1:close], body[close + 1:].strip()
     if not rest.startswith("->"):
         raise ValueError("expects -> before result shape")
-    params = [parse_shape(p.strip()) for p in A.split_top_level(params_text) if p.strip()]
+    params = tuple(parse_shape(p.strip()) for p in A.split_top_level(params_text) if p.strip())
     return params, parse_shape(rest[2:].strip())

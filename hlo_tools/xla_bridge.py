@@ -47,11 +47,16 @@ def xla_parse(text: str):
         raise XlaBridgeError(f"XLA could not parse the module: {_xla_message(exc)}") from exc
 
 
-def xla_print(module, canonical: bool = False) -> str:
-    """Print a module from ``xla_parse``, in XLA's default style or its canonical form."""
-    if canonical:
-        return module.to_string(_xc.hlo.HloPrintOptions.canonical())
-    return module.to_string()
+def xla_print(module, canonical: bool = False, *, large_constants: bool = False) -> str:
+    """Print a module from ``xla_parse``, in XLA's default style or its canonical form.
+
+    Both elide the values of constants with more than a few elements
+    (``constant({...})``), and XLA reads such text back as a constant of
+    arbitrary values: ``large_constants=True`` prints every value.
+    """
+    options = _xc.hlo.HloPrintOptions.canonical() if canonical else _xc.hlo.HloPrintOptions()
+    options.print_large_constants = large_constants
+    return module.to_string(options)
 
 
 def canonical_text(text: str) -> str:
@@ -68,7 +73,7 @@ def text_to_proto(text: str) -> bytes:
 
 
 def proto_to_text(data: bytes, canonical: bool = False) -> str:
-    """Print serialized ``HloModuleProto`` bytes as HLO text.
+    """Print serialized ``HloModuleProto`` bytes as HLO text (every constant value in the default style).
 
     Args:
       data: the serialized proto, e.g. what an XLA pass hook receives.
@@ -81,7 +86,7 @@ def proto_to_text(data: bytes, canonical: bool = False) -> str:
         module = _xc.hlo.HloModule.from_serialized_hlo_module_proto(bytes(data))
     except RuntimeError as exc:
         raise XlaBridgeError(f"XLA could not read the module proto: {_xla_message(exc)}") from exc
-    return xla_print(module, canonical)
+    return xla_print(module, canonical, large_constants=not canonical)
 
 
 def same_meaning(text_a: str, text_b: str) -> bool:

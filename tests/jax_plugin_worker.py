@@ -1,4 +1,4 @@
-"""Worker processes for tests/test_jax_plugin.py (benchmarks/plugin.py reuses its Flax model).
+"""Worker processes for tests/test_jax_plugin.py.
 
 JAX reads `XLA_PASSES` (and XLA reads `XLA_FLAGS`) once, when its backend
 starts, so each configuration runs in a fresh process:
@@ -8,8 +8,9 @@ starts, so each configuration runs in a fresh process:
 prints one line of JSON (the scenario's report) as the last line of stdout.
 The scenarios are ordinary, unmodified JAX programs: nothing here imports
 `xla_passes` unless `--test-passes` asks for the test passes below (which a
-real user's program would not have) or an absl-* scenario imports
-`xla_passes.flags` (as an absl program using the flag would).
+real user's program would not have), an absl-* scenario imports
+`xla_passes.flags` (as an absl program using the flag would) or the flax
+scenario takes its model from `xla_passes.training` (which switches nothing on).
 """
 from __future__ import annotations
 
@@ -20,8 +21,6 @@ import sys
 import threading
 
 import numpy as np
-
-N_DEVICES = 8
 
 
 def register_test_passes() -> None:
@@ -108,72 +107,10 @@ def threads_scenario(threads: int = 8) -> dict:
     return {"correct": correct, "errors": errors}
 
 
-MLP_WIDTHS = (256, 256, 256, 256, 256, 256, 128, 10)
-
-
-def build_flax_training(widths: tuple[int, ...] = MLP_WIDTHS, *, optimizer=None,
-                        pmean_each_gradient: bool = True, check_vma: bool = False,
-                        donate: bool = True, batch_per_device: int = 32):
-    """A Flax MLP (Dense layers of `widths`) trained data parallel over 8 CPU devices.
-
-    The step is shard_map under jit, with optax adam(1e-3) unless `optimizer`
-    is given. By default each gradient is averaged with its own `lax.pmean` (a
-    `pmean` of the whole tree, `pmean_each_gradient=False`, would already be one
-    variadic all-reduce): one all-reduce per parameter, 16 for the default 8
-    layers, plus one for the loss, unless a combiner merges them.
-    `check_vma=False` keeps shard_map from adding its own reductions of the
-    replicated parameters' gradients.
-
-    Returns `(step, (params, opt_state, images, labels))`; `step` (donating the
-    parameters and optimizer state when `donate`) returns new ones and the loss.
-    """
-    import flax.linen as nn
-    import jax
-    import jax.numpy as jnp
-    import optax
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    class MLP(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            for width in widths[:-1]:
-                x = nn.relu(nn.Dense(width)(x))
-            return nn.Dense(widths[-1])(x)
-
-    model = MLP()
-    optimizer = optimizer or optax.adam(1e-3)
-    mesh = jax.make_mesh((N_DEVICES,), ("data",))
-
-    def train_step(params, opt_state, images, labels):
-        def loss_fn(p):
-            logits = model.apply(p, images)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        grads = (jax.tree.map(lambda g: jax.lax.pmean(g, "data"), grads) if pmean_each_gradient
-                 else jax.lax.pmean(grads, "data"))
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, "data")
-
-    step = jax.jit(jax.shard_map(train_step, mesh=mesh, in_specs=(P(), P(), P("data"), P("data")),
-                                 out_specs=(P(), P(), P()), check_vma=check_vma),
-                   donate_argnums=(0, 1) if donate else ())
-
-    @jax.jit
-    def init(key):
-        params = model.init(key, jnp.zeros((1, 64)))
-        return params, optimizer.init(params)
-
-    params, opt_state = jax.device_put(init(jax.random.key(0)), NamedSharding(mesh, P()))
-    rng = np.random.default_rng(0)
-    batch = NamedSharding(mesh, P("data"))
-    images = jax.device_put(rng.standard_normal((N_DEVICES * batch_per_device, 64), dtype=np.float32), batch)
-    labels = jax.device_put(rng.integers(0, widths[-1], N_DEVICES * batch_per_device).astype(np.int32), batch)
-    return step, (params, opt_state, images, labels)
-
-
 def flax_training(steps: int) -> dict:
     """The losses of `steps` training steps of `build_flax_training`'s model."""
+    from xla_passes.training import build_flax_training
+
     step, (params, opt_state, images, labels) = build_flax_training()
     losses = []
     for _ in range(steps):

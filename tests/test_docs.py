@@ -1,4 +1,4 @@
-"""The Python in docs/ir.md and docs/passes.md runs, and prints what the page says it prints.
+"""The Python in the pages listed in PAGES (docs/) runs, and prints what the page says it prints.
 
 Every ```python block is executed, in order, in one namespace. A ```text block that comes
 right after a ```python block (only blank lines between) is that block's expected stdout,
@@ -14,7 +14,7 @@ import re
 import pytest
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
-PAGES = ["ir.md", "passes.md"]
+PAGES = ["ir.md", "passes.md", "guide.md"]
 
 # A fenced block: the opening fence with its language, the body, the closing fence alone on a line.
 _FENCE = re.compile(r"^```([\w-]*)[ \t]*\n(.*?)^```[ \t]*$", re.M | re.S)

@@ -242,6 +242,82 @@ def test_enable_checks_the_pipeline_and_the_stage_and_changes_nothing_on_error()
     assert xla_passes_jax.enabled() is None
 
 
+def test_large_constants_survive_a_rewritten_module():
+    """XLA prints constants of more than a few elements as `{...}` unless told otherwise, and reads that
+    back as zeros: a pass that changes the module must not change a constant's values."""
+    import jax
+    import jax.numpy as jnp
+    from jax_plugin_worker import register_test_passes
+
+    register_test_passes()  # test-copy-root: changes every module with an array root
+    table = np.linspace(1.0, 2.0, 1000, dtype=np.float32)
+
+    def scaled(x):
+        return x * jnp.asarray(table) + 1.0
+
+    x = np.full(1000, 3.0, np.float32)
+    with xla_passes_jax.enable("test-copy-root", strict=True):
+        jax.clear_caches()
+        np.testing.assert_allclose(jax.jit(scaled)(x), x * table + 1.0, rtol=1e-6)
+
+
+TWO_ALL_REDUCES = """HloModule two_all_reduces, replica_count=2
+
+add {
+  x = f32[] parameter(0)
+  y = f32[] parameter(1)
+  ROOT s = f32[] add(x, y)
+}
+
+ENTRY main {
+  a = f32[4] parameter(0)
+  b = f32[8] parameter(1)
+  ra = f32[4] all-reduce(a), replica_groups={{0,1}}, to_apply=add
+  rb = f32[8] all-reduce(b), replica_groups={{0,1}}, to_apply=add
+  ROOT t = (f32[4], f32[8]) tuple(ra, rb)
+}
+"""
+
+
+def test_opcode_count_reads_the_serialized_module():
+    from hlo_tools import xla_bridge
+
+    proto = xla_bridge.text_to_proto(TWO_ALL_REDUCES)
+    module = hlo_tools.parse_module(xla_bridge.proto_to_text(proto))
+    for opcode in ("all-reduce", "parameter", "tuple", "add", "all-gather", "all-reduce-start"):
+        expected = sum(1 for instr in module.instructions() if instr.opcode == opcode)
+        assert xla_passes_jax.opcode_count(proto, opcode) == expected, opcode
+
+
+def test_the_hook_skips_unparsed_a_module_no_pass_acts_on(monkeypatch, caplog, tmp_path):
+    from hlo_tools import xla_bridge
+
+    caplog.set_level(logging.INFO, logger="xla_passes")
+    one = xla_bridge.text_to_proto(TWO_ALL_REDUCES.replace(
+        "rb = f32[8] all-reduce(b), replica_groups={{0,1}}, to_apply=add", "rb = f32[8] negate(b)"))
+    two = xla_bridge.text_to_proto(TWO_ALL_REDUCES)
+
+    def no_parse(text):
+        raise AssertionError("the hook parsed a module no pass acts on")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(hlo_tools, "parse_module", no_parse)
+        # One all-reduce: nothing for a combiner to combine, nor for call-inliner (no call).
+        settings = configuration.Settings("collective-fusion,call-inliner", strict=True)
+        assert xla_passes_jax.rewrite_module(one, settings) is None
+    assert "two_all_reduces: skipped, nothing the passes act on" in caplog.text
+    # Two all-reduces are combined; a pass that declares no opcodes (dce) may act on any module.
+    combined = xla_passes_jax.rewrite_module(two, configuration.Settings("collective-fusion", strict=True))
+    assert xla_bridge.proto_to_text(combined).count(" all-reduce(") == 1
+    caplog.clear()
+    assert xla_passes_jax.rewrite_module(one, configuration.Settings("dce", strict=True)) is None
+    assert "two_all_reduces: unchanged" in caplog.text
+    # With dumps on, every module is parsed and dumped, as documented.
+    settings = configuration.Settings("collective-fusion", dump_to=str(tmp_path), strict=True)
+    assert xla_passes_jax.rewrite_module(one, settings) is None
+    assert any(name.endswith("two_all_reduces.before_xla_passes.txt") for name in os.listdir(tmp_path))
+
+
 # --- settings ------------------------------------------------------------------------------
 
 

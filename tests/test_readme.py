@@ -1,7 +1,11 @@
 """The README's commands are the ones CI runs."""
 
+import ast
+import importlib.metadata
 import pathlib
 import re
+import sys
+import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -17,8 +21,28 @@ def test_readme_has_main_job_and_test_commands():
     assert len(commands) == 2
     assert all("\n" not in command for command in commands)
     main_job, tests = commands
-    assert main_job.endswith(".venv/bin/python examples/roundtrip.py")
+    assert main_job == ("python3 -m venv .venv && .venv/bin/pip install -e . "
+                        "&& .venv/bin/python -m xla_passes.demo")
     assert tests.endswith(".venv/bin/python -m pytest -q")
+
+
+def test_plain_install_brings_what_the_main_job_imports():
+    """`pip install -e .` (no extras) brings every package the demo and its model import."""
+    imported = set()
+    for path in ["xla_passes/demo.py", "xla_passes/training.py"]:
+        for node in ast.walk(ast.parse((ROOT / path).read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                imported.add(node.module.split(".")[0])
+    third_party = imported - set(sys.stdlib_module_names) - {"hlo_tools", "xla_passes"}
+    assert {"flax", "optax", "jax"} <= third_party
+    providers = importlib.metadata.packages_distributions()
+    needed = {distribution.lower() for module in third_party for distribution in providers[module]}
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        dependencies = tomllib.load(f)["project"]["dependencies"]
+    declared = {re.split(r"[<>=!~\[ ;]", requirement, maxsplit=1)[0].lower() for requirement in dependencies}
+    assert needed <= declared
 
 
 def test_ci_runs_readme_test_command_verbatim():

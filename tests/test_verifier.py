@@ -12,6 +12,7 @@ import pytest
 
 import hlo_tools
 from hlo_tools import HloParseError, HloVerifyError
+from hlo_tools.verifier import verify_edits, verify_module
 from support import CORPUS_DIR, needs_corpus, read_exact
 
 
@@ -504,6 +505,162 @@ def test_sharding_rank():
 def test_errors_come_from_hlo_tools_only():
     with pytest.raises(HloParseError):
         verify("HloModule m\nENTRY e {\n  ROOT a = f32[2] bogus(b)\n}\n")
+
+
+# -- the parser's one-regex path builds what its general path builds ----------------------------------------
+FAST_PATH_LINES = """HloModule fast, replica_count=2
+
+add {
+  x = f32[] parameter(0)
+  y = f32[] parameter(1)
+  ROOT s = f32[] add(x, y)
+}
+
+ENTRY main {
+  %p = f32[4]{0} parameter(0)
+  zero = f32[] constant(0)
+  one = s32[] constant(1)
+  ints = s32[3]{0} constant({1, -2, 3})
+  big = f32[] constant(-inf), metadata={op_name="c" source_line=3}
+  %twice = f32[4]{0} add(%p, %p), metadata={op_name="jit(f)/add"}
+  b = f32[4]{0} broadcast(zero), dimensions={}
+  ar = f32[4]{0} all-reduce(twice), replica_groups={{0,1}}, to_apply=add, backend_config={"a":{"b":[1]}}
+  ROOT t = (f32[4]{0}, f32[4]{0}, s32[3]{0}, f32[], s32[]) tuple(ar, b, ints, big, one)
+}
+"""
+
+
+def _instructions(module):
+    return [(i.name, i.opcode, str(i.shape), [o.name for o in i.operands], [u.name for u in i.users],
+             {k: str(v) for k, v in i.attrs.items()}, str(i.literal) if i.literal is not None else None, i.line)
+            for i in module.instructions()]
+
+
+def test_the_fast_and_the_general_parse_paths_agree():
+    # A trailing comment sends every instruction line down the general path.
+    general = re.sub(r"^(  .*\))(.*)$", r"\1\2 /*general*/", FAST_PATH_LINES, flags=re.M)
+    assert general.count("/*general*/") == 12
+    fast_module, general_module = hlo_tools.parse_module(FAST_PATH_LINES), hlo_tools.parse_module(general)
+    assert _instructions(fast_module) == _instructions(general_module)
+    assert fast_module.find("twice").users == [fast_module.find("ar")]  # used twice, listed once
+    assert fast_module.to_text() == FAST_PATH_LINES
+    for good, bad in [("constant(1)", "constant(1.5)"), ("constant({1, -2, 3})", "constant({1, 2})")]:
+        errors = []
+        for text in (FAST_PATH_LINES, general):
+            with pytest.raises(HloParseError) as info:
+                hlo_tools.parse_module(text.replace(good, bad, 1))
+            errors.append((info.value.line, info.value.column, info.value.message))
+        assert errors[0] == errors[1]
+
+
+# -- verify_edits: the pipeline's check of what passes edited ------------------------------------------------
+def both_refuse(module, instruction: str, match: str):
+    """verify_module and verify_edits refuse the edited `module` at `instruction` with the same message."""
+    with pytest.raises(HloVerifyError, match=match) as full:
+        verify_module(module)
+    with pytest.raises(HloVerifyError, match=match) as edits:
+        verify_edits(module)
+    assert (edits.value.instruction, edits.value.message) == (full.value.instruction, full.value.message)
+    assert full.value.instruction == instruction
+
+
+def test_verify_edits_checks_users_of_an_edited_instruction():
+    module = hlo_tools.parse_module(entry("  a = f32[4] parameter(0)\n  n = f32[4] negate(a)\n"
+                                          "  ROOT t = (f32[4]) tuple(n)"))
+    module.entry.get("a").set_shape(hlo_tools.parse_shape("f32[5]"))  # `n` itself is untouched
+    both_refuse(module, "n", re.escape("shape equal to f32[5]"))
+
+
+def test_verify_edits_checks_the_callers_of_an_edited_computation():
+    body = "  a = f32[4] parameter(0)\n  ROOT f = f32[4] fusion(a, a), kind=kLoop, calls=fused"
+    module = hlo_tools.parse_module(entry(body, computations=FUSED))
+    fused = module.computation("fused")
+    fused.add_instruction("negate", [fused.get("p0")])  # an unused instruction in a fusion body
+    both_refuse(module, "f", "must have users")
+    module = hlo_tools.parse_module(entry(body, computations=FUSED))
+    fused = module.computation("fused")
+    fused.set_root(fused.add_instruction("broadcast", [fused.root], hlo_tools.parse_shape("f32[2,4]"),
+                                         attrs={"dimensions": (1,)}))
+    both_refuse(module, "f", "Fused computation shape")
+
+
+def test_verify_edits_checks_pairs_in_an_edited_computation():
+    module = hlo_tools.parse_module(entry("  a = f32[4] parameter(0)\n  cs = (f32[4], f32[4], u32[]) copy-start(a)\n"
+                                          "  cd = f32[4] copy-done(cs)\n  ROOT t = (f32[4]) tuple(cd)"))
+    comp = module.entry
+    comp.get("t").replace_operand_with(comp.get("cd"), comp.get("a"))
+    comp.remove_instruction(comp.get("cd"))  # copy-start, itself untouched, loses its copy-done
+    both_refuse(module, "cs", "requires one consumer")
+
+
+def test_verify_edits_checks_all_of_a_new_computation():
+    module = hlo_tools.parse_module(entry("  a = f32[4] parameter(0)\n  ROOT n = f32[4] negate(a)"))
+    clone = module.clone_computation(module.entry, suffix="copy")
+    clone.root.attrs["direction"] = "LT"
+    both_refuse(module, clone.root.name, 'unexpected attribute "direction"')
+
+
+def test_verify_edits_trusts_what_was_not_edited():
+    """The parsed module is the baseline: an unedited problem is verify_module's to report, not verify_edits'."""
+    module = hlo_tools.parse_module(entry("  a = f32[4] parameter(0)\n  n = f32[5] negate(a)\n"
+                                          "  ROOT t = (f32[5]) tuple(n)"))
+    verify_edits(module)
+    with pytest.raises(HloVerifyError, match=re.escape("shape equal to f32[4]")):
+        verify_module(module)
+    module.entry.get("t").attrs["sharding"] = hlo_tools.Sharding.parse("{replicated}")  # an unrelated edit
+    verify_edits(module)
+
+
+@needs_corpus
+def test_verify_edits_agrees_with_verify_module_on_random_edits():
+    """Random edits through the IR's API of every valid corpus module: both verifiers accept or both refuse."""
+    import random
+
+    rng = random.Random(4)
+
+    def reshape(module, comp, instr):
+        instr.set_shape(rng.choice(list(module.instructions())).shape)
+
+    def rewire(module, comp, instr):
+        earlier = comp.instructions[:comp.instructions.index(instr)]
+        if instr.operand_count and earlier:
+            instr.set_operand(rng.randrange(instr.operand_count), rng.choice(earlier))
+
+    def reroot(module, comp, instr):
+        comp.set_root(instr)
+
+    def add_unused(module, comp, instr):
+        comp.add_instruction("copy", [instr], instr.shape)
+
+    def remove(module, comp, instr):
+        if not instr.is_root and instr.opcode != "parameter" and (instr.operands or not instr.users):
+            if instr.users:
+                instr.replace_all_uses_with(instr.operand(0))
+            comp.remove_instruction(instr)
+
+    def copy_attribute(module, comp, instr):
+        for key in [k for k in instr.attrs if k != "metadata"][:1]:
+            donors = [i for i in module.instructions() if key in i.attrs and i is not instr]
+            if donors:
+                instr.attrs[key] = rng.choice(donors).attrs[key]
+
+    verdicts = {True: 0, False: 0}
+    for path in VALID:
+        text = read_exact(path)
+        for edit in (reshape, rewire, reroot, add_unused, remove, copy_attribute):
+            module = hlo_tools.parse_module(text)
+            comp = rng.choice(module.computations)
+            edit(module, comp, rng.choice(comp.instructions))
+            outcomes = []
+            for check in (verify_module, verify_edits):
+                try:
+                    check(module)
+                    outcomes.append(None)
+                except HloVerifyError as exc:
+                    outcomes.append(exc.message)
+            assert (outcomes[0] is None) == (outcomes[1] is None), (path, edit.__name__, outcomes)
+            verdicts[outcomes[0] is None] += 1
+    assert verdicts[True] > 1000 and verdicts[False] > 150, verdicts
 
 
 # -- calibration against reality -------------------------------------------------------------------------

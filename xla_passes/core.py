@@ -6,6 +6,7 @@ A pass is a dataclass whose fields are its options::
     class MyPass(HloPass):
         \"\"\"One line that `xla-opt --list-passes` shows.\"\"\"
         name = "my-pass"
+        opcodes = {"all-reduce"}   # optional: what it acts on (see HloPass)
         threshold_bytes: int = 1 << 20
 
         def run(self, module) -> bool:
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from collections.abc import Callable, Collection, Mapping
 from typing import ClassVar
 
 from hlo_tools import HloModule
@@ -46,13 +48,27 @@ class PassError(Exception):
 
 
 class HloPass:
-    """Base class of passes: subclasses set `name`, declare options as fields, define `run`."""
+    """Base class of passes: subclasses set `name`, declare options as fields, define `run`.
+
+    `opcodes` says which modules the pass can change at all, so that the JAX hook can hand a
+    module back to XLA without parsing it when no pass of the pipeline could change it: the
+    opcodes whose instructions the pass rewrites (`{"call"}`), or how many instructions of one
+    opcode a module needs (`{"all-reduce": 2}` for a combiner). None, the default: any module.
+    """
 
     name: ClassVar[str] = ""
+    opcodes: ClassVar[Collection[str] | Mapping[str, int] | None] = None
 
     def run(self, module: HloModule) -> bool:
         """Rewrite `module` in place; return whether it changed."""
         raise NotImplementedError
+
+    def could_change(self, count_of: Callable[[str], int]) -> bool:
+        """Whether the pass could change a module that has at most `count_of(opcode)` instructions of each opcode."""
+        if self.opcodes is None:
+            return True
+        minimums = self.opcodes if isinstance(self.opcodes, Mapping) else dict.fromkeys(self.opcodes, 1)
+        return any(count_of(opcode) >= least for opcode, least in minimums.items())
 
     def fail(self, message: str, instruction=None) -> PassError:
         """An error of this pass about `instruction` (an HloInstruction or a name), to raise."""

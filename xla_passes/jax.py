@@ -10,9 +10,12 @@ XLA hands the module of every compile to a hook registered with
 by default: the per-device module after SPMD partitioning and fusion). The hook
 turns the serialized `HloModuleProto` into text, runs the pipeline on the
 `hlo_tools` IR, and hands XLA the new module, or nothing when no pass changed
-it. The installed JAX plugin (`xla_passes.jax_plugin`) switches passes on from
-the `XLA_PASSES` environment variable (or `--xla_passes`, see
-`xla_passes.flags`) when JAX starts its backends.
+it. A module in which no pass of the pipeline finds what it acts on (see
+`HloPass.opcodes`: e.g. fewer than two all-reduces for a combiner) is handed
+back at once, unparsed, unless dumps are asked for. The installed JAX plugin
+(`xla_passes.jax_plugin`) switches passes on from the `XLA_PASSES` environment
+variable (or `--xla_passes`, see `xla_passes.flags`) when JAX starts its
+backends.
 
 Failures never break a user's compile: a pass that fails is logged as one
 warning on the "xla_passes" logger and XLA compiles the original module, unless
@@ -37,6 +40,7 @@ from collections.abc import Sequence
 
 import hlo_tools
 from hlo_tools import xla_bridge
+from hlo_tools.parser import garbage_collection_paused
 
 from .configuration import (ALL_PLATFORMS, PRE_SCHEDULER, STRICT_VARIABLE, ConfigurationError, Settings,
                             configured_settings)
@@ -221,11 +225,21 @@ def rewrite_module(module_proto: bytes, settings: Settings) -> bytes | None:
     name = "<unparsed>"
     start = time.perf_counter()
     try:
-        module = hlo_tools.parse_module(xla_bridge.proto_to_text(module_proto))
-        name = module.name
         pipeline = Pipeline(settings.passes, dump_to=settings.dump_to, module_number=number)
-        changed = pipeline.run(module)
-        result = xla_bridge.text_to_proto(module.to_text()) if changed else None
+        if not settings.dump_to and not pipeline.could_change(functools.partial(opcode_count, module_proto)):
+            logger.info("xla_passes: module_%04d %s: skipped, nothing the passes act on, in %.1f ms", number,
+                        _proto_module_name(module_proto), 1e3 * (time.perf_counter() - start))
+            return None
+        with garbage_collection_paused():  # the IR becomes garbage only once the hook returns
+            module = hlo_tools.parse_module(xla_bridge.proto_to_text(module_proto))
+            name = module.name
+            signature = _entry_signature(module)
+            changed = pipeline.run(module)
+            if changed and _entry_signature(module) != signature:
+                raise PassError("the passes changed the entry computation's parameter or result shapes, which "
+                                "XLA fixed before calling the hook (e.g. weight-update-sharding{persistent=true}, "
+                                "which applies to offline modules only)")
+            result = xla_bridge.text_to_proto(module.to_text()) if changed else None
     except Exception as exc:
         if settings.strict:
             raise
@@ -237,3 +251,37 @@ def rewrite_module(module_proto: bytes, settings: Settings) -> bytes | None:
                 f"changed by {', '.join(changed_by)}" if changed_by else "unchanged",
                 1e3 * (time.perf_counter() - start))
     return result
+
+
+def _entry_signature(module) -> list[str]:
+    """The entry's parameter and result shapes, which a module handed back to XLA must keep."""
+    parameters, result = module.entry.program_shape
+    return [shape.to_text(print_layout=False) for shape in [*parameters, result]]
+
+
+# An HloInstructionProto's opcode is its field 2, a string: on the wire the tag byte 0x12, the
+# length as a varint, then the name. Searching the serialized module for those bytes counts every
+# instruction of the opcode (and, rarely, another field that happens to hold the same bytes), so
+# the count is never too low: enough to prove that a module has no instruction a pass acts on.
+_OPCODE_FIELD_TAG = b"\x12"
+
+
+def opcode_count(module_proto: bytes, opcode: str) -> int:
+    """At least the number of `opcode` instructions in a serialized `HloModuleProto`."""
+    return module_proto.count(_OPCODE_FIELD_TAG + _varint(len(opcode)) + opcode.encode())
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _proto_module_name(module_proto: bytes) -> str:
+    """The module's name (HloModuleProto field 1, which XLA serializes first), for log lines."""
+    if len(module_proto) < 2 or module_proto[0] != 0x0A or module_proto[1] >= 0x80:
+        return "<unnamed>"
+    return module_proto[2:2 + module_proto[1]].decode("utf-8", "replace")

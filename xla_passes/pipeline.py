@@ -7,10 +7,11 @@ braces; `fixed-point(...)` repeats a group until no pass in it changes the modul
     fixed-point{max_iterations=10}(tuple-simplifier,cse,dce)
 
 Running a pipeline runs each pass on the module in place. After a pass that
-changed the module, the verifier checks it (unless `verify=False`). A pass that
-raises, or that leaves a module the verifier refuses, leaves the module exactly
-as it was before that pass and raises `PassError` naming the pass (and the
-instruction, when known).
+changed the module, the verifier checks what was edited since the module was
+parsed (`hlo_tools.verifier.verify_edits`; `verify="full"` checks the whole
+module, `verify=False` nothing). A pass that raises, or that leaves a module
+the verifier refuses, leaves the module exactly as it was before that pass and
+raises `PassError` naming the pass (and the instruction, when known).
 """
 from __future__ import annotations
 
@@ -23,10 +24,14 @@ import hlo_tools
 from hlo_tools import HloModule
 from hlo_tools.cli import write_atomically
 from hlo_tools.dump import module_file_name
+from hlo_tools.verifier import verify_edits, verify_module
 
 from .core import HloPass, PassError, pass_class
 
 FIXED_POINT = "fixed-point"
+# Pipeline(verify=...): every edit since parsing (True), the whole module (FULL), nothing (False).
+FULL = "full"
+VERIFY_CHOICES = (True, FULL, False)
 
 
 @dataclasses.dataclass
@@ -57,13 +62,17 @@ class Pipeline:
 
     Args:
       passes: pipeline text, or a list of `HloPass`/`FixedPoint` objects.
-      verify: run the verifier after every pass that changed the module.
+      verify: after every pass that changed the module, True checks every edit
+        since parsing (and all of a module built without parsing), "full" the
+        whole module, False nothing.
       dump_to: directory for `module_NNNN.<name>.before_xla_passes.txt` and one
         `module_NNNN.<name>.KKKK.after_<pass>.txt` per pass that ran.
       module_number: the NNNN of the dump file names.
     """
 
-    def __init__(self, passes, *, verify: bool = True, dump_to: str | None = None, module_number: int = 0):
+    def __init__(self, passes, *, verify: bool | str = True, dump_to: str | None = None, module_number: int = 0):
+        if verify not in VERIFY_CHOICES:
+            raise PassError(f"verify={verify!r}: expected True, {FULL!r} or False")
         self.passes = parse_pipeline(passes) if isinstance(passes, str) else list(passes)
         self.verify = verify
         self.dump_to = dump_to
@@ -104,7 +113,7 @@ class Pipeline:
         try:
             changed = bool(hlo_pass.run(module))
             if changed and self.verify:
-                _verify_after(hlo_pass, module)
+                _verify_after(hlo_pass, module, full=self.verify == FULL)
         except BaseException as exc:
             restore(module, snapshot)
             if isinstance(exc, PassError):
@@ -118,6 +127,14 @@ class Pipeline:
         if self.dump_to:
             self._dump(module, f"after_{hlo_pass.name}", numbered=True, notes=pass_report(hlo_pass))
         return changed
+
+    def could_change(self, count_of) -> bool:
+        """Whether some pass could change a module with at most `count_of(opcode)` instructions of each opcode.
+
+        When no pass could change the module as it is, none changes it, so every later pass sees
+        it as it is too: the whole pipeline leaves it alone.
+        """
+        return any(hlo_pass.could_change(count_of) for hlo_pass in _flatten(self.passes))
 
     def reports(self) -> list[str]:
         """The report lines of every pass in the pipeline that keeps one (see `pass_report`)."""
@@ -146,9 +163,9 @@ def _flatten(items) -> list:
     return out
 
 
-def _verify_after(hlo_pass: HloPass, module: HloModule) -> None:
+def _verify_after(hlo_pass: HloPass, module: HloModule, full: bool) -> None:
     try:
-        hlo_tools.verify(module)
+        (verify_module if full else verify_edits)(module)
     except hlo_tools.HloVerifyError as exc:
         raise PassError(f"produced an invalid module: {exc.message}", hlo_pass.name, exc.instruction) from exc
 

@@ -1,6 +1,9 @@
 """The pass API and pipelines: text, options, fixed points, verification, rollback, dumps."""
 
+import collections
+import glob
 import os
+import re
 
 import pytest
 
@@ -168,3 +171,60 @@ def test_a_pass_report_goes_into_its_dump_and_the_pipeline_reports(tmp_path):
     dumped = (tmp_path / "module_0000.pipeline_test.0001.after_test-reporting.txt").read_text()
     assert dumped == "// kept %a: a reason\n// sharded %b\n" + MODULE
     assert hlo_tools.parse_module(dumped).to_text() == dumped
+
+
+# --- what passes declare they act on (the JAX hook's precheck) ---------------------------------------
+
+PASS_TEST_MODULES = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "*.hlo")))
+
+
+def test_could_change_reads_the_opcodes_passes_declare():
+    counts = {"all-reduce": 1}
+
+    def count_of(opcode):
+        return counts.get(opcode, 0)
+
+    assert not Pipeline("collective-fusion,call-inliner,tuple-simplifier").could_change(count_of)
+    assert Pipeline("fixed-point(all-reduce-combiner,all-reduce-decomposer)").could_change(count_of)
+    assert Pipeline("collective-fusion,dce").could_change(count_of)  # dce declares none: any module
+    counts["all-reduce"] = 2
+    assert Pipeline("collective-fusion").could_change(count_of)
+    assert Pipeline([_BreakShape()]).could_change(lambda opcode: 0)  # a pass of a user's, no opcodes
+
+
+def test_a_pass_changes_no_module_it_says_it_cannot_change():
+    """Every built-in pass that declares `opcodes`, on every module of the FileCheck tests: when it says
+    the module's opcode counts leave it nothing to do, running it changes nothing."""
+    declaring = {}
+    for name, cls in xla_passes.registered_passes().items():
+        try:
+            declaring[name] = cls()
+        except (PassError, TypeError, ValueError):
+            continue  # a pass that needs options (all-reduce-2d: a mesh)
+    declaring = {name: p for name, p in declaring.items() if p.opcodes is not None}
+    assert {"collective-fusion", "all-reduce-combiner", "call-inliner", "tuple-simplifier"} <= set(declaring)
+    checked = {True: 0, False: 0}
+    for path in PASS_TEST_MODULES:
+        with open(path, encoding="utf-8") as f:
+            chunks = f.read().split("\n// -----\n")
+        for chunk in chunks:
+            text = chunk[re.search(r"^HloModule\b", chunk, re.M).start():]
+            counts = collections.Counter(instr.opcode for instr in hlo_tools.parse_module(text).instructions())
+            for name, hlo_pass in declaring.items():
+                could = hlo_pass.could_change(counts.__getitem__)
+                checked[could] += 1
+                if not could:
+                    assert not hlo_pass.run(hlo_tools.parse_module(text)), (path, name)
+    assert checked[False] > 100 and checked[True] > 50, checked
+
+
+def test_verify_true_checks_the_edits_and_full_the_whole_module():
+    problem = MODULE.replace("dead = f32[8] negate(p)", "dead = f32[9] negate(p)")  # an unedited problem
+    assert Pipeline("cse").run(hlo_tools.parse_module(problem))
+    with pytest.raises(PassError, match=r"pass cse at %dead: produced an invalid module: .*f32\[9\]"):
+        Pipeline("cse", verify="full").run(hlo_tools.parse_module(problem))
+    module = hlo_tools.parse_module(MODULE)
+    with pytest.raises(PassError, match="pass test-break-shape at %r: produced an invalid module"):
+        Pipeline([_BreakShape()]).run(module)  # the edited instruction is checked
+    with pytest.raises(PassError, match="verify='yes': expected True, 'full' or False"):
+        Pipeline("dce", verify="yes")

@@ -3,3 +3,4 @@ from . import call_inliner, cse, dce, tuple_simplifier  # noqa: F401
 from . import all_reduce_2d, all_reduce_decomposer  # noqa: F401
 from . import all_gather_combiner, all_reduce_combiner, collective_fusion, reduce_scatter_combiner  # noqa: F401
 from . import weight_update_sharding  # noqa: F401
+from . import spatial_partitioning  # noqa: F401

@@ -44,6 +44,7 @@ class AllGatherCombiner(HloPass):
     """Combine independent all-gathers into tuple-shaped all-gathers."""
 
     name = "all-gather-combiner"
+    opcodes = {"all-gather": 2}
     threshold_bytes: int = DEFAULT_THRESHOLD_BYTES
     threshold_count: int = DEFAULT_THRESHOLD_COUNT
     combine_by_dim: bool = True

@@ -50,6 +50,7 @@ class AllReduce2D(HloPass):
     """Rewrite all-reduce over RxC-device groups as reduce-scatter in rows, all-reduce in columns, all-gather."""
 
     name = "all-reduce-2d"
+    opcodes = {"all-reduce"}
     mesh: str = ""
     min_bytes: int = 0
     strict: bool = False

@@ -40,6 +40,7 @@ class AllReduceCombiner(HloPass):
     """Combine independent all-reduces of one kind into tuple-shaped all-reduces."""
 
     name = "all-reduce-combiner"
+    opcodes = {"all-reduce": 2}
     threshold_bytes: int = DEFAULT_THRESHOLD_BYTES
     threshold_count: int = DEFAULT_THRESHOLD_COUNT
 

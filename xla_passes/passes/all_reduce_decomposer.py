@@ -64,6 +64,7 @@ class AllReduceDecomposer(HloPass):
     """Rewrite all-reduce as reduce-scatter then all-gather over the same replica groups."""
 
     name = "all-reduce-decomposer"
+    opcodes = {"all-reduce"}
     min_bytes: int = 0
 
     def run(self, module: HloModule) -> bool:

@@ -25,6 +25,7 @@ class CallInliner(HloPass):
     """Inline `call` instructions (not Shardy bodies or composites) into their callers."""
 
     name = "call-inliner"
+    opcodes = {"call"}
 
     def run(self, module: HloModule) -> bool:
         changed = False

@@ -30,6 +30,7 @@ class CollectiveFusion(HloPass):
     """Combine all-gathers, then all-reduces, then reduce-scatters (the three combiners)."""
 
     name = "collective-fusion"
+    opcodes = {"all-gather": 2, "all-reduce": 2, "reduce-scatter": 2}
     threshold_bytes: int = DEFAULT_THRESHOLD_BYTES
     threshold_count: int = DEFAULT_THRESHOLD_COUNT
     combine_by_dim: bool = True

@@ -33,6 +33,7 @@ class ReduceScatterCombiner(HloPass):
     """Combine independent reduce-scatters of one kind into tuple-shaped reduce-scatters."""
 
     name = "reduce-scatter-combiner"
+    opcodes = {"reduce-scatter": 2}
     threshold_bytes: int = DEFAULT_THRESHOLD_BYTES
     threshold_count: int = DEFAULT_THRESHOLD_COUNT
     combine_by_dim: bool = True

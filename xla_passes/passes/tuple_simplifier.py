@@ -24,6 +24,7 @@ class TupleSimplifier(HloPass):
     """Forward get-tuple-element of a tuple; replace a tuple of all elements of x by x."""
 
     name = "tuple-simplifier"
+    opcodes = {"get-tuple-element"}
 
     def run(self, module: HloModule) -> bool:
         changed = False

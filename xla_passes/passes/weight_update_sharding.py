@@ -43,6 +43,7 @@ docs/weight_update_sharding.md has the options, the report and the limits.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
@@ -108,6 +109,7 @@ class WeightUpdateSharding(HloPass):
     """Reduce-scatter gradients, update 1/N of the weights per device, all-gather them."""
 
     name = "weight-update-sharding"
+    opcodes = {"all-reduce"}
     threshold_bytes: int = 1024               # gradients smaller than this stay replicated
     assume_replicated_parameters: bool = False  # pmap-style programs: parameters hold equal copies
     persistent: bool = False                  # keep optimizer state sharded between steps
@@ -262,6 +264,14 @@ class _ComputationSharder:
         self._pad_values: dict[str, HloInstruction] = {}
         self._dead: list[HloInstruction] = []
         self._callers = module.callers()
+        self._op_names_of: dict[HloComputation, set[str]] = {}
+
+    def _shared_op_names(self, comp: HloComputation) -> set[str]:
+        """The op_names that several parameters of `comp` carry."""
+        if comp not in self._op_names_of:
+            counts = collections.Counter(map(_parameter_op_name, comp.parameters))
+            self._op_names_of[comp] = {name for name, count in counts.items() if name is not None and count > 1}
+        return self._op_names_of[comp]
 
     # -- analysis ----------------------------------------------------------------------------------
     def run(self) -> bool:
@@ -430,7 +440,7 @@ class _ComputationSharder:
         report = WeightReport(
             computation=self.comp.name, gradient=", ".join(t.describe() for t in region.tops),
             shape=shape.to_text(print_layout=False),
-            weights=tuple(_origin_name(v, self._callers) for v in region.sliced),
+            weights=tuple(_origin_name(v, self._callers, self._shared_op_names) for v in region.sliced),
             sharded=plan is not None, group_size=group_size, reason=reason)
         if plan is not None:
             report.dimension = plan.dimension
@@ -516,6 +526,8 @@ class _ComputationSharder:
             value.set_shape(region.plan.shard_shape(full))
             if region.key[0] != REPLICA_IDS:
                 value.attrs["sharding"] = self._tile_sharding(region, value.shape.rank)
+            elif "parameter_replication" in value.attrs:
+                del value.attrs["parameter_replication"]  # each replica now holds a different shard
             shards[value] = value
             outputs.add(index)
             changes.append(f"parameter {value.parameter_number} (%{value.name}) {full} -> {value.shape}")
@@ -894,7 +906,10 @@ def _use_reason(member: HloInstruction, user: HloInstruction, differing: HloInst
         return (f"%{user.name} combines %{member.name} with %{differing.name}, which is not known to be the "
                 f"same on every device of the group (set assume_replicated_parameters=true if the weights "
                 f"and optimizer state are replicated)")
-    return f"non-elementwise use: %{member.name} is used by %{user.name} ({user.opcode})"
+    reason = f"non-elementwise use: %{member.name} is used by %{user.name} ({user.opcode})"
+    if user.opcode == "call":
+        reason += "; run call-inliner first so that the pass sees inside it"
+    return reason
 
 
 def _is_norm_fusion(instr: HloInstruction) -> bool:
@@ -931,14 +946,24 @@ def _full_reduction_of(user: HloInstruction, member: HloInstruction) -> bool:
     if tuple(sorted(user.attrs.get("dimensions", ()))) != tuple(range(member.shape.rank)):
         return False
     opcode = _reducer_opcode(user.attrs["to_apply"])
-    init = user.operand(1)
-    if opcode not in _REDUCER_IDENTITY or init.opcode != "constant" or init.literal is None:
+    if opcode not in _REDUCER_IDENTITY:
         return False
+    value = _constant_value(user.operand(1))
+    return value is not None and bool(np.asarray(value == _REDUCER_IDENTITY[opcode]).all())
+
+
+def _constant_value(instr: HloInstruction):
+    """The value of a constant, also through the converts TF puts between a constant and its
+    use (`reduce(x, convert(constant(0)))`); None when `instr` is not one."""
+    if instr.opcode == "convert":
+        value = _constant_value(instr.operand(0))
+        return None if value is None else np.asarray(value).astype(numpy_dtype(instr.shape.dtype))
+    if instr.opcode != "constant" or instr.literal is None:
+        return None
     try:
-        value = init.literal.to_numpy()
+        return instr.literal.to_numpy()
     except ValueError:
-        return False
-    return bool(np.asarray(value == _REDUCER_IDENTITY[opcode]).all())
+        return None
 
 
 def _connected_components(members: set) -> list[set]:
@@ -960,9 +985,9 @@ def _connected_components(members: set) -> list[set]:
     return list(components.values())
 
 
-def _origin_name(instr: HloInstruction, callers: dict) -> str:
-    """The name of the parameter a value comes from (through reshapes, tuples and shard_map bodies);
-    `callers` is the module's `callers()`."""
+def _origin_name(instr: HloInstruction, callers: dict, shared_op_names) -> str:
+    """The name of the parameter a value comes from (through reshapes, tuples and shard_map bodies):
+    its op_name unless `shared_op_names(computation)` has it; `callers` is the module's `callers()`."""
     seen = set()
     while instr not in seen:
         seen.add(instr)
@@ -984,6 +1009,13 @@ def _origin_name(instr: HloInstruction, callers: dict) -> str:
             instr = calls[0].operand(instr.parameter_number)
         else:
             break
-    metadata = instr.attrs.get("metadata")
-    op_name = metadata.get("op_name") if metadata is not None and instr.opcode == "parameter" else None
-    return op_name if isinstance(op_name, str) and op_name else instr.name
+    op_name = _parameter_op_name(instr)
+    if op_name is None or op_name in shared_op_names(instr.parent):
+        return instr.name  # TF names every parameter "XLA_Args": only a distinct op_name says more
+    return op_name
+
+
+def _parameter_op_name(instr: HloInstruction) -> str | None:
+    metadata = instr.attrs.get("metadata") if instr.opcode == "parameter" else None
+    op_name = metadata.get("op_name") if metadata is not None else None
+    return op_name if isinstance(op_name, str) and op_name else None

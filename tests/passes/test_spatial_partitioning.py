@@ -1,0 +1,296 @@
+"""spatial-partitioning: the per-device program computes what the single-device one did.
+
+Every differential test lowers a real program (JAX, or a TF `tf.function(jit_compile=True)`
+training step) for one device at test time, runs the pass, and runs both modules through
+the runner on the same global inputs: the original on 1 device, the rewritten one on 4
+partitions (the runner splits the inputs as the `sharding=` annotations say and assembles
+the outputs). Inputs are standard-normal floats: integer inputs make max-pooling windows
+with equal maxima, where XLA's choice of the selected element is its own business.
+`spatial_partitioning.hlo` has the FileCheck tests of the halo arithmetic.
+"""
+import math
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hlo_tools
+import xla_passes
+from hlo_tools import runner
+from xla_passes.spatial.windows import aligned_output_rows, plan_select_and_scatter, plan_window
+
+BOUNDS = {"abs_error_bound": 1e-4, "rel_error_bound": 1e-3}
+NHWC = ("NHWC", "HWIO", "NHWC")
+
+
+def _partition(text: str, passes: str):
+    module = hlo_tools.parse_module(text)
+    pipeline = xla_passes.Pipeline(passes)
+    assert pipeline.run(module)
+    return module, pipeline.reports()
+
+
+def _compare(text: str, passes: str = "spatial-partitioning", seed: int = 0):
+    """Run the pass, compare both modules on float inputs; the rewritten module and report."""
+    module, report = _partition(text, passes)
+    rng = np.random.default_rng(seed)
+    shapes = [p.shape for p in hlo_tools.parse_module(text).entry.parameters]
+    inputs = [rng.standard_normal(s.dims).astype(np.float32) for s in shapes]
+    after = module.to_text()
+    result, _, comparison = runner.compare_modules(after, text, inputs, **BOUNDS)
+    assert result.num_partitions == module.num_partitions > 1
+    assert comparison.ok, f"{passes}:\n{comparison.format()}\n{after}"
+    return module, report
+
+
+def _lower(f, *shapes) -> str:
+    return jax.jit(f).lower(*(jnp.zeros(s, jnp.float32) for s in shapes)).as_text(dialect="hlo")
+
+
+def _conv(x, k, stride=1, padding="SAME", lhs_dilation=None, rhs_dilation=None):
+    return jax.lax.conv_general_dilated(x, k, (stride, stride), padding, lhs_dilation=lhs_dilation,
+                                        rhs_dilation=rhs_dilation, dimension_numbers=NHWC)
+
+
+def _count(module, opcode: str) -> int:
+    return sum(i.opcode == opcode for i in module.entry.instructions)
+
+
+# --- the halo arithmetic against a direct simulation ------------------------------------------------
+
+def _global_rows(size, pad_lo, pad_hi, ld, stride, rd, window):
+    """For each output row of a 1-D window, the input rows it reads (None: padding)."""
+    dilated = (size - 1) * ld + 1
+    out = (pad_lo + dilated + pad_hi - ((window - 1) * rd + 1)) // stride + 1
+    rows = []
+    for o in range(out):
+        read = []
+        for j in range(window):
+            p = o * stride + j * rd - pad_lo
+            read.append(p // ld if p >= 0 and p % ld == 0 and p // ld < size else None)
+        rows.append(read)
+    return rows
+
+
+def test_plan_window_matches_a_direct_simulation():
+    """For random windows, each device's local window over its slab and halo (rows outside the
+    array read as padding) reads exactly what the global window reads for its output rows."""
+    rng = random.Random(0)
+    checked = 0
+    while checked < 300:
+        devices, window, stride = rng.choice([2, 3, 4]), rng.randint(1, 5), rng.randint(1, 3)
+        ld, rd = rng.randint(1, 3), rng.randint(1, 3)
+        pad_lo, pad_hi = rng.randint(-1, 4), rng.randint(-1, 4)
+        size = rng.randint(4, 20)
+        local = -(-size // devices)
+        expected = _global_rows(size, pad_lo, pad_hi, ld, stride, rd, window)
+        out_rows = aligned_output_rows(local, ld, stride)
+        if not expected or out_rows is None or out_rows * devices < len(expected):
+            continue
+        plan = plan_window(in_rows=local, padding_low=pad_lo, base_dilation=ld, stride=stride,
+                           window_dilation=rd, window=window, out_rows=out_rows)
+        checked += 1
+        for device in range(devices):
+            first = device * local - plan.have_low
+            extent = local + plan.have_low + plan.have_high
+            local_rows = [r if 0 <= r < size else None for r in range(first, first + extent)]
+            got = _global_rows(extent, plan.padding_low, plan.padding_high, ld, stride, rd, window)
+            assert len(got) == out_rows
+            for t, read in enumerate(got):
+                o = device * out_rows + t
+                if o < len(expected):
+                    mapped = [local_rows[i] if i is not None else None for i in read]
+                    assert mapped == expected[o], (device, t, plan)
+
+
+def test_plan_select_and_scatter_covers_every_window_touching_the_slab():
+    for window, stride, pad in [(2, 2, 0), (3, 2, 0), (3, 2, 1), (3, 1, 1), (5, 2, 2)]:
+        for source_rows in (2, 3, 4):
+            plan = plan_select_and_scatter(operand_rows=source_rows * stride, source_rows=source_rows,
+                                           window=window, stride=stride, padding_low=pad)
+            assert plan is not None
+            rows = source_rows * stride
+            touching = [o for o in range(-10, 20) if o * stride - pad <= rows - 1 and o * stride - pad + window - 1 >= 0]
+            assert min(touching) == -plan.source_low and max(touching) == source_rows - 1 + plan.source_high
+            assert -plan.operand_low == min(touching) * stride - pad
+            assert rows - 1 + plan.operand_high == max(touching) * stride - pad + window - 1
+    assert plan_select_and_scatter(operand_rows=5, source_rows=2, window=3, stride=2, padding_low=0) is None
+
+
+# --- JAX programs ------------------------------------------------------------------------------------
+
+FORWARD = {
+    "same": lambda x, k: _conv(x, k),
+    "stride2_same": lambda x, k: _conv(x, k, 2),
+    "valid": lambda x, k: _conv(x, k, 1, "VALID"),
+    "stride2_valid": lambda x, k: _conv(x, k, 2, "VALID"),
+    "dilated": lambda x, k: _conv(x, k, rhs_dilation=(2, 2)),
+    "lhs_dilated": lambda x, k: _conv(x, k, 1, ((2, 1), (2, 1)), lhs_dilation=(2, 2)),
+    "explicit_padding": lambda x, k: _conv(x, k, 1, ((2, 0), (1, 1))),
+    "max_pool": lambda x, k: jax.lax.reduce_window(_conv(x, k), -jnp.inf, jax.lax.max, (1, 3, 3, 1),
+                                                   (1, 2, 2, 1), "SAME"),
+    "avg_pool": lambda x, k: jax.lax.reduce_window(_conv(x, k), 0.0, jax.lax.add, (1, 2, 2, 1),
+                                                   (1, 2, 2, 1), "VALID") / 4,
+    "batch_norm_statistics": lambda x, k: (lambda y: (y - y.mean((0, 1, 2))) / jnp.sqrt(y.var((0, 1, 2)) + 1e-5))(
+        _conv(x, k)),
+    "global_pool": lambda x, k: _conv(x, k).mean((1, 2)),
+    "flatten_dense": lambda x, k: _conv(x, k, 2).reshape(2, -1) @ jnp.ones((8 * 8 * 8, 5)),
+}
+
+
+@pytest.mark.parametrize("name", FORWARD)
+def test_jax_inference(name):
+    module, report = _compare(_lower(FORWARD[name], (2, 16, 16, 3), (3, 3, 3, 8)))
+    gathers = [line for line in report if " all-gather " in line]
+    if name == "flatten_dense":
+        assert len(gathers) == 1 and "before %" in gathers[0] and "(reshape)" in gathers[0]
+    elif name not in ("valid", "stride2_valid"):   # uneven results are gathered at the end
+        assert not gathers, gathers
+
+
+def _train_step():
+    """A small conv net's SGD step: convolutions (stride 2, dilation), ReLU, max pooling,
+    batch-norm statistics, flatten + dense head, mean squared error."""
+    def net(params, x):
+        *kernels, dense = params
+        y = jax.nn.relu(_conv(x, kernels[0]))
+        y = jax.lax.reduce_window(y, -jnp.inf, jax.lax.max, (1, 3, 3, 1), (1, 2, 2, 1), "SAME")
+        y = _conv(y, kernels[1], 2)
+        for k in kernels[2:]:
+            y = jax.nn.relu(_conv(y, k, rhs_dilation=(2, 2)))
+        mean = y.mean((0, 1, 2))
+        y = (y - mean) / jnp.sqrt(((y - mean) ** 2).mean((0, 1, 2)) + 1e-5)
+        return y.reshape(y.shape[0], -1) @ dense
+
+    def step(params, x, target):
+        loss, grads = jax.value_and_grad(lambda p: jnp.mean((net(p, x) - target) ** 2))(params)
+        return loss, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+    return step
+
+
+def _lower_step(height: int):
+    step = _train_step()
+    side = -(-height // 4)
+    params = [jnp.zeros((3, 3, 3, 8)), jnp.zeros((3, 3, 8, 8)), jnp.zeros((3, 3, 8, 8)),
+              jnp.zeros((8 * side * side, 10))]
+    return jax.jit(step).lower(params, jnp.zeros((2, height, height, 3)), jnp.zeros((2, 10))).as_text(dialect="hlo")
+
+
+@pytest.mark.parametrize("options", ["", "{mesh=2x2}", "{num_partitions=8}"])
+def test_jax_training_step(options):
+    module, report = _compare(_lower_step(16 if "8" not in options else 32), f"spatial-partitioning{options}")
+    assert _count(module, "select-and-scatter") == 1 and _count(module, "collective-permute") > 0
+    gathers = [line for line in report if " all-gather " in line]
+    assert len(gathers) == 1 and "(reshape)" in gathers[0], gathers   # only the flatten
+    weight_gradients = [line for line in report if "weight gradient" in line]
+    assert len(weight_gradients) == 3
+
+
+def test_jax_training_step_uneven():
+    """18 rows over 4 devices: 5, 5, 5 and 3 (padded and masked); the runner reads the
+    global shape from the parameter's frontend attribute."""
+    module, report = _compare(_lower_step(18))
+    x = module.entry.parameter(4)
+    assert x.shape.dims == (2, 5, 18, 3)
+    assert x.attrs["frontend_attributes"].get("global_shape") == "f32[2,18,18,3]"
+    assert any("the last holds 3" in line for line in report)
+
+
+def _conv_chain(depth: int, train: bool):
+    def net(kernels, x):
+        for k in kernels:
+            x = jax.nn.relu(_conv(x, k))
+        return x
+
+    def step(kernels, x):
+        grads = jax.grad(lambda ks: (net(ks, x) ** 2).mean())(kernels)
+        return [k - 0.1 * g for k, g in zip(kernels, grads)]
+    kernels = [jnp.zeros((3, 3, 4, 4))] * depth
+    return jax.jit(step if train else net).lower(kernels, jnp.zeros((1, 32, 32, 4))).as_text(dialect="hlo")
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_halo_fusion_exchanges_fewer_halos(train):
+    text = _conv_chain(4, train)
+    plain, _ = _compare(text, "spatial-partitioning")
+    fused, report = _compare(text, "spatial-partitioning{halo_fusion=4}")
+    assert _count(fused, "collective-permute") < _count(plain, "collective-permute")
+    if not train:
+        assert _count(plain, "collective-permute") == 8 and _count(fused, "collective-permute") == 2
+        assert sum("fused-halo" in line for line in report) == 3
+    _compare(text, "spatial-partitioning{halo_fusion=2,mesh=2x2}")
+
+
+# --- TensorFlow ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("options", ["", "{mesh=2x2}"])
+def test_tf_training_step(options):
+    tf = pytest.importorskip("tensorflow")
+    k1 = tf.Variable(tf.random.normal((3, 3, 3, 8), seed=1))
+    k2 = tf.Variable(tf.random.normal((3, 3, 8, 8), seed=2))
+    w = tf.Variable(tf.random.normal((4 * 4 * 8, 5), seed=3))
+
+    @tf.function(jit_compile=True)
+    def step(x, target):
+        with tf.GradientTape() as tape:
+            y = tf.nn.relu(tf.nn.conv2d(x, k1, 1, "SAME"))
+            y = tf.nn.max_pool2d(y, 3, 2, "SAME")
+            y = tf.nn.conv2d(y, k2, 2, "SAME")
+            mean, var = tf.nn.moments(y, axes=[0, 1, 2])
+            y = (y - mean) * tf.math.rsqrt(var + 1e-5)
+            loss = tf.reduce_mean((tf.reshape(y, (2, -1)) @ w - target) ** 2)
+        grads = tape.gradient(loss, [k1, k2, w])
+        return [loss] + [v - 0.1 * g for v, g in zip([k1, k2, w], grads)]
+
+    text = step.experimental_get_compiler_ir(tf.zeros((2, 16, 16, 3)), tf.zeros((2, 5)))(stage="hlo")
+    module, report = _compare(text, f"spatial-partitioning{options}")
+    assert sum("weight gradient" in line for line in report) == 2
+
+
+# --- options and errors -------------------------------------------------------------------------------
+
+SMALL = """HloModule small
+
+ENTRY e {
+  x = f32[1,8,8,2] parameter(0)
+  k = f32[3,3,2,2] parameter(1)
+  ROOT conv = f32[1,8,8,2] convolution(x, k), window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_01io->b01f
+}
+"""
+
+
+def test_split_option_picks_the_dimension():
+    module, report = _compare(SMALL, "spatial-partitioning{split=0:2,num_partitions=2}")
+    assert module.entry.parameter(0).shape.dims == (1, 8, 4, 2)
+    assert "dimension 2 (8 rows) over 2 devices" in report[0]
+
+
+@pytest.mark.parametrize("passes, message", [
+    ("spatial-partitioning{mesh=2y2}", "is not like 2x2"),
+    ("spatial-partitioning{num_partitions=1}", "at least 2 devices"),
+    ("spatial-partitioning{split=0:1:2}", "needs 1 dimension(s)"),
+    ("spatial-partitioning{split=5:1}", "has no parameter 5"),
+    ("spatial-partitioning{halo_fusion=0}", "at least 1"),
+])
+def test_bad_options(passes, message):
+    with pytest.raises(xla_passes.PassError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        xla_passes.run_passes(hlo_tools.parse_module(SMALL), passes)
+
+
+def test_needs_a_convolution_input_or_a_split():
+    text = "HloModule m\n\nENTRY e {\n  ROOT x = f32[4,4] parameter(0)\n}\n"
+    with pytest.raises(xla_passes.PassError, match="split=P:D"):
+        xla_passes.run_passes(hlo_tools.parse_module(text), "spatial-partitioning")
+
+
+def test_runner_refuses_a_global_shape_that_does_not_split():
+    text = SMALL.replace("HloModule small", "HloModule small, num_partitions=4")
+    text = text.replace("x = f32[1,8,8,2] parameter(0)",
+                        'x = f32[1,3,8,2] parameter(0), sharding={devices=[1,4,1,1]<=[4]}, '
+                        'frontend_attributes={global_shape="f32[1,20,8,2]"}')
+    text = text.replace("ROOT conv = f32[1,8,8,2]", "ROOT conv = f32[1,3,8,2]")
+    with pytest.raises(runner.RunError, match=r"global shape \[1, 20, 8, 2\] does not split"):
+        runner.run_module(text)
+    assert math.prod(runner.run_module(text.replace("20", "10")).inputs[0].shape) == 160

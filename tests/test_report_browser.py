@@ -1,0 +1,187 @@
+"""`hlo-tools report` in a real browser: headless Chromium opens the page from disk.
+
+The dump comes from a real JAX program compiled at test time: the shard_map
+data-parallel step of tests/real_programs.py under
+`xla_passes.jax.enable("collective-fusion,dce", dump_to=...)`, with XLA's own
+all-reduce combiners off so that collective-fusion has all-reduces to combine.
+The test then checks what a reader sees: graphs drawn (non-empty SVG boxes with
+the combined all-reduce and the all-reduces it replaced, by name), a screenshot
+that is not blank and shows the graphs' colours, nothing fetched, and no
+console errors.
+
+Chromium and chromedriver are Debian's `chromium` and `chromium-driver`
+packages (.ci/run installs them); the driver is selenium. Where they are
+missing the test skips, except under CI=true, where it fails.
+"""
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import pytest
+
+import hlo_tools
+from hlo_tools import cli
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(TESTS_DIR)
+CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--window-size=1400,1000")
+NO_XLA_COMBINER_FLAGS = ("--xla_force_host_platform_device_count=8 "
+                         "--xla_disable_hlo_passes=all-reduce-combiner,cpu-all-reduce-combiner")
+# Colours the graphs use (hlo_tools.graph): a collective's fill, an added node's outline.
+COLLECTIVE_FILL = (0xFF, 0xD8, 0xA8)
+ADDED_STROKE = (0x2B, 0x8A, 0x3E)
+
+DUMP_PROGRAM = """
+import sys
+import jax
+import numpy as np
+import real_programs
+import xla_passes.jax
+
+xla_passes.jax.enable("collective-fusion,dce", dump_to=sys.argv[1])
+step, args = real_programs.shard_map_mlp_step()
+inputs = jax.tree.map(lambda a: jax.device_put(np.ones(a.shape, a.dtype), a.sharding), args)
+jax.block_until_ready(step(*inputs))
+"""
+
+
+def _browser_or_skip():
+    """chromium, chromedriver and selenium's webdriver; a skip (a failure under CI=true) if one is missing."""
+    chromium = shutil.which("chromium")
+    chromedriver = shutil.which("chromedriver")
+    try:
+        from selenium import webdriver
+    except ImportError:
+        webdriver = None
+    missing = [what for what, found in (("chromium", chromium), ("chromedriver", chromedriver),
+                                        ("selenium", webdriver)) if found is None]
+    if missing:
+        message = (f"{', '.join(missing)} not installed (apt-get install chromium chromium-driver; "
+                   f"pip install -e '.[test]')")
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must run the browser test: {message}")
+        pytest.skip(message)
+    return chromium, chromedriver, webdriver
+
+
+@pytest.fixture(scope="module")
+def browser():
+    chromium, chromedriver, webdriver = _browser_or_skip()
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for flag in CHROMIUM_FLAGS:
+        options.add_argument(flag)
+    profile = tempfile.mkdtemp(prefix="report-browser-")
+    options.add_argument(f"--user-data-dir={profile}")
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(options=options, service=Service(chromedriver))
+    try:
+        yield driver
+    finally:
+        driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def collective_fusion_dump(tmp_path_factory):
+    """The dump directory of the real JAX step compiled with collective-fusion and dce."""
+    dump = tmp_path_factory.mktemp("dump")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_PASSES")}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=NO_XLA_COMBINER_FLAGS, TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=os.pathsep.join(filter(None, [REPO_ROOT, TESTS_DIR, env.get("PYTHONPATH")])))
+    result = subprocess.run([sys.executable, "-c", DUMP_PROGRAM, str(dump)], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return dump
+
+
+def _combined_and_replaced(dump) -> tuple[list[str], list[str]]:
+    """Names of the all-reduces collective-fusion made (tuple-shaped) and of those it removed."""
+    def all_reduces(path) -> dict[str, hlo_tools.HloInstruction]:
+        module = hlo_tools.parse_module(path.read_text())
+        return {i.name: i for i in module.entry.instructions if i.opcode == "all-reduce"}
+
+    (before_path,) = dump.glob("module_*.jit_step.before_xla_passes.txt")
+    (after_path,) = dump.glob("module_*.jit_step.0001.after_collective-fusion.txt")
+    before, after = all_reduces(before_path), all_reduces(after_path)
+    combined = [name for name, instr in after.items() if instr.shape.is_tuple and name not in before]
+    replaced = [name for name in before if name not in after]
+    assert combined and replaced, (sorted(before), sorted(after))
+    return combined, replaced
+
+
+def test_report_renders_in_chromium_with_graphs_and_no_console_errors(browser, collective_fusion_dump,
+                                                                      tmp_path, capsys):
+    combined, replaced = _combined_and_replaced(collective_fusion_dump)
+    page = tmp_path / "report.html"
+    assert cli.main(["report", str(collective_fusion_dump), "-o", str(page)]) == 0
+    assert "1 module, 3 steps" in capsys.readouterr().out
+
+    browser.get(page.as_uri())
+    assert browser.execute_script("return document.readyState") == "complete"
+    assert browser.title == f"HLO dump report: {collective_fusion_dump}"
+
+    # Every graph is drawn: a non-empty box holding nodes with text.
+    graphs = browser.execute_script("""
+        return [...document.querySelectorAll('svg.hlo-graph')].map(svg => {
+            const box = svg.getBoundingClientRect();
+            const nodes = [...svg.querySelectorAll('g.node')];
+            return {width: box.width, height: box.height, nodes: nodes.length,
+                    drawn: nodes.filter(g => { const b = g.getBBox(); return b.width > 20 && b.height > 20; }).length,
+                    texts: nodes.map(g => g.querySelector('text').textContent)};
+        });""")
+    assert len(graphs) >= 2  # the collective-fusion step's before and after
+    for drawn in graphs:
+        assert drawn["width"] > 200 and drawn["height"] > 100, drawn
+        assert drawn["nodes"] > 0 and drawn["drawn"] == drawn["nodes"], drawn
+        assert all(drawn["texts"]), drawn
+
+    def side_nodes(side: str) -> dict[str, str]:
+        return dict(browser.execute_script(f"""
+            const step = [...document.querySelectorAll('section.pass')]
+                .find(s => s.querySelector('h3').textContent.startsWith('collective-fusion'));
+            return [...step.querySelectorAll('.side.{side} g.node')]
+                .map(g => [g.dataset.name, g.getAttribute('class')]);"""))
+
+    after, before = side_nodes("after"), side_nodes("before")
+    for name in combined:  # the new tuple all-reduces: highlighted as collectives, marked added
+        assert set(after[name].split()) >= {"node", "collective", "added"}, after.get(name)
+    for name in replaced:  # the all-reduces they replace, on the before side, marked removed
+        assert set(before[name].split()) >= {"node", "collective", "removed"}, before.get(name)
+
+    # What the reader sees: scroll the combined all-reduce into view and take a screenshot.
+    node = browser.find_element("css selector", f'.side.after g.node[data-name="{combined[0]}"]')
+    browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", node)
+    assert node.is_displayed() and combined[0] in node.text
+    from PIL import Image
+
+    pixels = np.asarray(Image.open(io.BytesIO(browser.get_screenshot_as_png())).convert("RGB")).reshape(-1, 3)
+    assert pixels.std() > 20  # not a blank page
+    assert len(np.unique(pixels, axis=0)) > 50
+    for colour in (COLLECTIVE_FILL, ADDED_STROKE):
+        assert (pixels == colour).all(axis=1).sum() > 50, f"no {colour} pixels: graphs not drawn"
+
+    # "fit graphs to width" (CSS only) shrinks every graph into its box.
+    def widest_overflow() -> float:
+        return browser.execute_script("""
+            return Math.max(...[...document.querySelectorAll('.side svg.hlo-graph')].map(
+                svg => svg.getBoundingClientRect().width - svg.parentElement.clientWidth));""")
+
+    assert widest_overflow() > 0  # the after graph is wider than its half of the page
+    browser.find_element("css selector", "label.fit").click()
+    assert widest_overflow() <= 0
+
+    # Self-contained: nothing was fetched, and the console has no errors.
+    assert browser.execute_script("return performance.getEntriesByType('resource').length") == 0
+    errors = [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
+    assert errors == []
