@@ -5,7 +5,9 @@ Builds a real module of more than 10,000 lines: the data-parallel training step
 MLP blocks, unrolled.  For its HLO before XLA's optimizations (with debug info)
 and after them, times, as the median of several runs:
 
-  * hlo_tools: ``parse_module``, ``to_text()`` and ``to_text(regenerate=True)``;
+  * hlo_tools: ``parse_module`` (eager, and with ``lazy_bodies=True``: the entry
+    computation only, as the JAX plugin's hook parses), ``to_text()`` and
+    ``to_text(regenerate=True)``;
   * XLA (through ``hlo_tools.xla_bridge``): ``hlo_module_from_text`` and ``to_string()``;
 
 and prints a markdown table with the ratios ours / XLA. The two sides of each
@@ -107,9 +109,13 @@ def benchmark(label: str, text: str, reps: int) -> list[str]:
     hlo_tools.verify(module)
     if module.to_text() != text:
         raise SystemExit(f"{label}: hlo_tools does not print the module back byte for byte")
+    if hlo_tools.parse_module(text, lazy_bodies=True).to_text() != text:
+        raise SystemExit(f"{label}: a lazily parsed module does not print back byte for byte")
     xla_module = xla_bridge.xla_parse(text)
     rows = [
         ("parse", lambda: hlo_tools.parse_module(text), lambda: xla_bridge.xla_parse(text)),
+        ("parse, lazy_bodies=True", lambda: hlo_tools.parse_module(text, lazy_bodies=True),
+         lambda: xla_bridge.xla_parse(text)),
         ("print", module.to_text, lambda: xla_bridge.xla_print(xla_module)),
         ("print, regenerate=True", lambda: module.to_text(regenerate=True),
          lambda: xla_bridge.xla_print(xla_module)),

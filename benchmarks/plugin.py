@@ -21,10 +21,12 @@
    spent inside the plugin's hook. The target is an overhead of at most 10% of
    XLA's own compile time.
 
-3. Where the hook's time goes, on the module XLA hands it for the largest
-   ``--compile-layers`` model (taken from a dump, turned back into a proto):
-   each step of ``xla_passes.jax.rewrite_module`` timed on its own, the steps
-   interleaved, median of ``--compiles`` runs.
+3. Where the hook's time goes, on the module XLA hands it for each
+   ``--phase-layers`` model (default: the largest ``--compile-layers`` one;
+   taken from a dump, turned back into a proto): each step of
+   ``xla_passes.jax.rewrite_module`` timed on its own (garbage collection
+   paused, as in the hook), the steps interleaved, median of ``--compiles``
+   runs.
 
 The model is the one tests/test_jax_plugin.py and the demo train (xla_passes/training.py):
 an MLP of Dense layers with one all-reduce per gradient.
@@ -52,7 +54,8 @@ import jax  # noqa: E402
 
 import hlo_tools  # noqa: E402
 import xla_passes.jax  # noqa: E402
-from hlo_tools import xla_bridge  # noqa: E402
+from hlo_tools import proto_patch, xla_bridge  # noqa: E402
+from hlo_tools.parser import garbage_collection_paused  # noqa: E402
 from hlo_tools.verifier import verify_edits, verify_module  # noqa: E402
 from xla_passes import Pipeline  # noqa: E402
 from xla_passes.configuration import Settings  # noqa: E402
@@ -170,28 +173,37 @@ def hook_phase_table(layers: int, runs: int) -> str:
             proto = xla_bridge.text_to_proto(f.read())
     text = xla_bridge.proto_to_text(proto)
 
+    def parse():
+        return hlo_tools.parse_module(text, lazy_bodies=True)  # as the hook parses
+
     def rewritten():
-        module = hlo_tools.parse_module(text)
+        module = parse()
         Pipeline(PASSES, verify=False).run(module)
         return module
 
     edited = rewritten()
+    parse_label = "parse (hlo_tools; the entry, other bodies when read)"
     steps = [
         ("proto -> text (XLA's printer)", lambda: xla_bridge.proto_to_text(proto)),
-        ("parse (hlo_tools)", lambda: hlo_tools.parse_module(text)),
-        (f"{PASSES} (parse excluded)", lambda: Pipeline(PASSES, verify=False).run(hlo_tools.parse_module(text))),
+        (parse_label, parse),
+        ("for comparison: parse every body at once", lambda: hlo_tools.parse_module(text)),
+        (f"{PASSES} (parse excluded; bodies it reads included)", rewritten),
         ("verify the edits (what the pipeline runs)", lambda: verify_edits(edited)),
-        ("verify the whole module (before: every pass)", lambda: verify_module(edited)),
-        ("print + text -> proto (XLA's parser)", lambda: xla_bridge.text_to_proto(edited.to_text())),
+        ("for comparison: verify the whole module", lambda: verify_module(edited)),
+        ("hand back: XLA's proto with the entry's edits (XLA parses the edits)",
+         lambda: proto_patch.patched_module_proto(proto, edited, xla_bridge.text_to_proto)),
+        ("for comparison: print + text -> proto (XLA parses everything)",
+         lambda: xla_bridge.text_to_proto(edited.to_text())),
         ("the whole hook (rewrite_module)", lambda: xla_passes.jax.rewrite_module(proto, Settings(PASSES))),
     ]
     seconds = {label: [] for label, _ in steps}
-    for _ in range(runs):
-        for label, run in steps:
-            start = time.perf_counter()
-            run()
-            seconds[label].append(time.perf_counter() - start)
-    parse_s = statistics.median(seconds["parse (hlo_tools)"])
+    with garbage_collection_paused():  # as in the hook
+        for _ in range(runs):
+            for label, run in steps:
+                start = time.perf_counter()
+                run()
+                seconds[label].append(time.perf_counter() - start)
+    parse_s = statistics.median(seconds[parse_label])
     lines = [f"The hook's steps on the {layers}-layer step's module ({text.count(chr(10))} lines), "
              f"median of {runs} interleaved runs",
              "",
@@ -212,6 +224,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=4, help="rounds of step timing")
     parser.add_argument("--compile-layers", default="8,32", help="model sizes for compile time, comma-separated")
     parser.add_argument("--compiles", type=int, default=7, help="fresh compiles per compile-time median")
+    parser.add_argument("--phase-layers", default=None,
+                        help="model sizes for the hook's per-step table, comma-separated (default: the largest "
+                             "--compile-layers)")
     args = parser.parse_args(argv)
     print(f"# benchmarks/plugin.py on {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
           f"jax {jax.__version__}")
@@ -220,8 +235,10 @@ def main(argv: list[str] | None = None) -> None:
     print()
     layer_counts = [int(n) for n in args.compile_layers.split(",")]
     print(compile_time_table(layer_counts, args.compiles))
-    print()
-    print(hook_phase_table(max(layer_counts), args.compiles))
+    phase_counts = [int(n) for n in args.phase_layers.split(",")] if args.phase_layers else [max(layer_counts)]
+    for layers in phase_counts:
+        print()
+        print(hook_phase_table(layers, args.compiles))
 
 
 if __name__ == "__main__":

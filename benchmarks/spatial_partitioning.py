@@ -6,6 +6,8 @@ average pooling, a dense head, mean squared error) on `--batch` images of
 
 * `jax`: `jax.jit` with the image sharded on H (`NamedSharding(mesh, P(None, "h"))`) and
   everything else replicated; JAX's partitioner (Shardy, the default) splits the program;
+* `jax, GSPMD`: the same with `jax_use_shardy_partitioner` off for that lowering, so XLA's
+  GSPMD partitioner splits it;
 * `ours`: the same step lowered for one device, then `spatial-partitioning`;
 * `ours+fusion`: `spatial-partitioning{halo_fusion=4}`.
 
@@ -79,22 +81,29 @@ def main():
     reference = [np.asarray(a) for a in jax.tree.leaves(jax.jit(conv_step)(params, x, target))]
 
     rows = {}
-    # XLA's partitioner from JAX shardings: the image split on H.
+    # XLA's partitioners from JAX shardings: the image split on H.
     mesh = jax.make_mesh((DEVICES,), ("h",))
     replicated = NamedSharding(mesh, P())
-    jitted = jax.jit(conv_step, in_shardings=([replicated] * 5, NamedSharding(mesh, P(None, "h")), replicated))
-    compiled = jitted.lower(params, x, target).compile()
-    memory = compiled.memory_analysis()
-    count, size = permutes(compiled.as_text())
-    placed = jax.device_put((params, x, target), ([replicated] * 5, NamedSharding(mesh, P(None, "h")), replicated))
-    out = jax.tree.leaves(compiled(*placed))
-    error = max(float(np.max(np.abs(np.asarray(a) - b))) for a, b in zip(out, reference))
+    shardings = ([replicated] * 5, NamedSharding(mesh, P(None, "h")), replicated)
+    placed = jax.device_put((params, x, target), shardings)
+    for label, shardy in [("jax (image sharded on H)", True), ("jax, GSPMD", False)]:
+        default = jax.config.jax_use_shardy_partitioner
+        jax.config.update("jax_use_shardy_partitioner", shardy)
+        try:
+            lowered = jax.jit(conv_step, in_shardings=shardings).lower(params, x, target)
+            compiled = lowered.compile()
+        finally:
+            jax.config.update("jax_use_shardy_partitioner", default)
+        assert ("sdy." in lowered.as_text()) == shardy, "the partitioner switch did not take"
+        memory = compiled.memory_analysis()
+        count, size = permutes(compiled.as_text())
+        out = jax.tree.leaves(compiled(*placed))
+        error = max(float(np.max(np.abs(np.asarray(a) - b))) for a, b in zip(out, reference))
 
-    def run_jax():
-        jax.block_until_ready(compiled(*placed))
-    rows["jax (image sharded on H)"] = dict(peak=memory.peak_memory_in_bytes, temp=memory.temp_size_in_bytes,
-                                           permutes=count, bytes=size,
-                                           error=error, run=run_jax)
+        def run_jax(compiled=compiled):
+            jax.block_until_ready(compiled(*placed))
+        rows[label] = dict(peak=memory.peak_memory_in_bytes, temp=memory.temp_size_in_bytes,
+                           permutes=count, bytes=size, error=error, run=run_jax)
 
     single = jax.jit(conv_step).lower(params, x, target).as_text(dialect="hlo")
     for label, passes in [("ours", "spatial-partitioning"), ("ours, halo_fusion=4", "spatial-partitioning{halo_fusion=4}")]:

@@ -32,12 +32,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_graph)
 
 
-def run_graph(args: argparse.Namespace) -> int:
-    """Write the SVG of the chosen computation of ``args.input``."""
+def check_drawing_options(args: argparse.Namespace) -> None:
+    """Refuse --max-nodes below 1 and negative --hops (shared with `report`)."""
     if args.max_nodes < 1:
         raise cli.CommandError(f"--max-nodes must be at least 1, not {args.max_nodes}")
     if args.hops < 0:
         raise cli.CommandError(f"--hops must be 0 or more, not {args.hops}")
+
+
+def run_graph(args: argparse.Namespace) -> int:
+    """Write the SVG of the chosen computation of ``args.input``."""
+    check_drawing_options(args)
     module = cli.load_module(args.input)
     if args.computation is None:
         comp = module.entry

@@ -3,15 +3,22 @@ lists consistent and a printer that reproduces unmodified source text byte for b
 
 Reading:  `module.entry.root`, `comp.instructions`, `instr.operands`, `instr.users`, `instr.attrs`.
 Editing:  `comp.add_instruction(...)`, `instr.replace_all_uses_with(other)`, `instr.set_operand(i, x)`,
-          `instr.attrs[name] = value`, `comp.remove_instruction(instr)`, `comp.remove_dead_code()`,
-          `module.clone_computation(comp)`. Every edit marks what it touched; printing regenerates
-          exactly those parts in XLA's style and copies everything else from the source text.
+          `instr.attrs[name] = value`, `comp.remove_instruction(instr)`, `comp.remove_instructions(batch)`,
+          `comp.remove_dead_code()`, `module.clone_computation(comp)`. Every edit marks what it touched;
+          printing regenerates exactly those parts in XLA's style and copies everything else from the
+          source text.
+
+A module parsed with `parse_module(text, lazy_bodies=True)` keeps the bodies of its non-entry
+computations as source text until something reads them (`comp.instructions`, `comp.root`, ...),
+which parses them then; `comp.parsed` and `comp.unparsed_text` tell without parsing.
 """
 from __future__ import annotations
 
 from typing import Iterable
 
 from .shape import Shape
+
+CONTROL_PREDECESSORS = "control-predecessors"
 
 # Attributes whose values name computations of the module.
 COMPUTATION_ATTRS = frozenset({
@@ -21,7 +28,8 @@ COMPUTATION_ATTRS = frozenset({
 
 
 class _AttrDict(dict):
-    """An instruction's attributes: every write marks the instruction modified."""
+    """An instruction's attributes: every write marks the instruction modified (and keeps its
+    computation's index of control successors current)."""
 
     __slots__ = ("_instr",)
 
@@ -30,22 +38,36 @@ class _AttrDict(dict):
         self._instr = instr
 
     def __setitem__(self, key, value):
-        super().__setitem__(key, value)
+        if key == CONTROL_PREDECESSORS:
+            old = self.get(key, ())
+            super().__setitem__(key, value)
+            self._instr._control_predecessors_changed(old)
+        else:
+            super().__setitem__(key, value)
         self._instr._touch()
 
     def __delitem__(self, key):
+        old = self.get(CONTROL_PREDECESSORS, ())
         super().__delitem__(key)
+        if key == CONTROL_PREDECESSORS:
+            self._instr._control_predecessors_changed(old)
         self._instr._touch()
 
     def pop(self, key, *default):
         had = key in self
+        old = self.get(CONTROL_PREDECESSORS, ())
         value = super().pop(key, *default)
         if had:
+            if key == CONTROL_PREDECESSORS:
+                self._instr._control_predecessors_changed(old)
             self._instr._touch()
         return value
 
     def update(self, *args, **kwargs):
+        old = self.get(CONTROL_PREDECESSORS, ())
         super().update(*args, **kwargs)
+        if self.get(CONTROL_PREDECESSORS, ()) is not old:
+            self._instr._control_predecessors_changed(old)
         self._instr._touch()
 
     def setdefault(self, key, default=None):
@@ -66,6 +88,8 @@ class HloInstruction:
     _span = None              # (start, end) of the source text while unmodified
     _name_start = None        # where the name starts inside the span (after `ROOT`)
     _owner = None             # the instruction whose source text holds this nested one
+    _shape_set = False        # set_shape was called: users may no longer fit (the verifier checks them)
+    _edited_operands_only = False  # every edit since parsing set operands (see hlo_tools.proto_patch)
 
     def __init__(self, name: str, opcode: str, shape: Shape, operands=(), attrs=None,
                  parameter_number: int | None = None, literal=None):
@@ -107,16 +131,27 @@ class HloInstruction:
 
     @property
     def control_predecessors(self) -> tuple["HloInstruction", ...]:
-        return self.attrs.get("control-predecessors", ())
+        return self.attrs.get(CONTROL_PREDECESSORS, ())
+
+    @property
+    def control_successors(self) -> tuple["HloInstruction", ...]:
+        """The instructions of this computation that name this one as a control predecessor."""
+        if self.parent is None:
+            return ()
+        return tuple(self.parent._control_successor_index().get(self, ()))
 
     def __repr__(self):
         return f"<HloInstruction {self.name} = {self.shape} {self.opcode}>"
 
     # -- editing ----------------------------------------------------------------------------------
-    def _touch(self):
-        """Mark this instruction's text stale so the printer regenerates it."""
+    def _touch(self, operands_only: bool = False):
+        """Mark this instruction's text stale so the printer regenerates it (`operands_only`: the
+        edit set operands, nothing else)."""
         if self._span is not None:
             self._span = None
+            self._edited_operands_only = operands_only
+        elif not operands_only:
+            self._edited_operands_only = False
         owner = self._owner
         if owner is not None:
             self._owner = None
@@ -124,8 +159,16 @@ class HloInstruction:
         if self.parent is not None:
             self.parent._dirty = True
 
+    def _control_predecessors_changed(self, old):
+        """Move this instruction's entries in its computation's control-successor index from `old`."""
+        comp = self.parent
+        if comp is not None and comp._control_successors is not None:
+            comp._unindex_control_edges(self, old)
+            comp._index_control_edges(self, self.control_predecessors)
+
     def set_shape(self, shape: Shape):
         self.shape = shape
+        self._shape_set = True
         self._touch()
         if self.opcode == "parameter" and self.parent is not None:
             self.parent._signature_changed()
@@ -139,7 +182,7 @@ class HloInstruction:
             old.users.remove(self)
         if self not in new.users:
             new.users.append(self)
-        self._touch()
+        self._touch(operands_only=True)
 
     def set_operands(self, operands: Iterable["HloInstruction"]):
         for old in self._operands:
@@ -149,7 +192,7 @@ class HloInstruction:
         for new in self._operands:
             if self not in new.users:
                 new.users.append(self)
-        self._touch()
+        self._touch(operands_only=True)
 
     def replace_operand_with(self, old: "HloInstruction", new: "HloInstruction"):
         """Replace every occurrence of `old` among this instruction's operands by `new`."""
@@ -179,16 +222,15 @@ class HloInstruction:
         for user in self.users:
             user._touch()
         if self.parent is not None:
-            for instr in self.parent.instructions:
-                if self in instr.control_predecessors:
-                    instr._touch()
+            for instr in self.control_successors:
+                instr._touch()
             if self.opcode == "parameter":
                 self.parent._signature_changed()
 
     def add_control_predecessor(self, pred: "HloInstruction"):
         preds = self.control_predecessors
         if pred not in preds:
-            self.attrs["control-predecessors"] = preds + (pred,)
+            self.attrs[CONTROL_PREDECESSORS] = preds + (pred,)
 
     # -- printing ---------------------------------------------------------------------------------
     def to_text(self, *, sigils: bool = True, operand_shapes: bool = True) -> str:
@@ -197,8 +239,18 @@ class HloInstruction:
         return print_instruction(self, sigils=sigils, operand_shapes=operand_shapes)
 
 
+# What a lazily parsed computation lacks until its body is parsed (see HloComputation.__getattr__).
+_BODY_ATTRS = frozenset({"instructions", "root", "_gaps", "_tail_span"})
+
+
 class HloComputation:
     """A computation: parameters, instructions in order, one root."""
+
+    # Set on a computation whose body is still source text: called once, it parses the body
+    # (setting `instructions`, `root`, `_gaps` and `_tail_span`) and clears itself.
+    _parse_body = None
+    _unparsed_text = None
+    _unparsed_signature = None
 
     def __init__(self, name: str, is_entry: bool = False):
         self.name = name
@@ -213,6 +265,65 @@ class HloComputation:
         self._head_span = None       # (start, end) of `ENTRY name (sig) -> shape {`, None when stale
         self._tail_span = None       # (start, end) of `}` and any trailing attributes
         self._gaps = {}              # instruction -> source text between it and its predecessor
+        self._control_successors = None  # instruction -> instructions naming it a control predecessor
+        self._last_insert = None     # (instruction, its index) of the last insert before/after another
+
+    @classmethod
+    def unparsed(cls, name: str, text: str, parse_body, read_signature=None) -> "HloComputation":
+        """A computation whose body `text` is parsed by `parse_body(comp)` when first read;
+        `read_signature()` gives what its header declares, ([(name, shape) of each parameter],
+        result shape); None when it declares nothing."""
+        comp = cls(name)
+        del comp.instructions, comp.root, comp._gaps, comp._tail_span
+        comp._unparsed_text = text
+        comp._parse_body = parse_body
+        comp._unparsed_signature = read_signature
+        return comp
+
+    def __getattr__(self, name):
+        # Python calls this only for attributes not set: the body of a computation not parsed yet.
+        parse_body = self.__dict__.get("_parse_body")
+        if parse_body is None or name not in _BODY_ATTRS:
+            raise AttributeError(f"'HloComputation' object has no attribute {name!r}")
+        parse_body(self)  # raises HloParseError for a bad body, which stays unparsed
+        del self._parse_body, self._unparsed_text, self._unparsed_signature
+        return self.__dict__[name]
+
+    @property
+    def parsed(self) -> bool:
+        """False while the body is still source text (a lazily parsed module); reading it parses it."""
+        return self._parse_body is None
+
+    @property
+    def unparsed_text(self) -> str | None:
+        """The body's source text while it is not parsed (for cheap substring tests), else None."""
+        return self._unparsed_text
+
+    def may_contain_text(self, words: tuple[str, ...]) -> bool:
+        """Whether this computation's text may contain one of `words`: True once parsed; for one not
+        parsed yet, whether its source does (remembered, since that text never changes)."""
+        text = self._unparsed_text
+        if text is None:
+            return True
+        answers = self.__dict__.setdefault("_text_contains", {})
+        answer = answers.get(words)
+        if answer is None:
+            answer = answers[words] = any(word in text for word in words)
+        return answer
+
+    @property
+    def unparsed_program_shape(self) -> tuple[list[Shape], Shape] | None:
+        """(parameter shapes, result shape) as the header of a computation not parsed yet declares
+        them (`(p: f32[2]) -> f32[2]`, no layouts; parsing checks them against the body); None once
+        parsed or when the header declares none."""
+        read_signature = self._unparsed_signature
+        if read_signature is None:
+            return None
+        declared = self.__dict__.get("_declared_program_shape")
+        if declared is None:
+            params, result = read_signature()
+            declared = self._declared_program_shape = ([shape for _, shape in params], result)
+        return list(declared[0]), declared[1]
 
     # -- reading ----------------------------------------------------------------------------------
     @property
@@ -244,6 +355,8 @@ class HloComputation:
         return len(self.instructions)
 
     def __repr__(self):
+        if not self.parsed:
+            return f"<HloComputation {self.name}: not parsed yet>"
         return f"<HloComputation {self.name}: {len(self.instructions)} instructions>"
 
     @property
@@ -317,13 +430,48 @@ class HloComputation:
 
     def _insert(self, instr: HloInstruction, before=None, after=None):
         instr.parent = self
+        instructions = self.instructions
         if before is not None:
-            self.instructions.insert(self.instructions.index(before), instr)
+            index = self._index_of(before)
+            instructions.insert(index, instr)
+            self._last_insert = (instr, index)
         elif after is not None:
-            self.instructions.insert(self.instructions.index(after) + 1, instr)
+            index = self._index_of(after) + 1
+            instructions.insert(index, instr)
+            self._last_insert = (instr, index)
         else:
-            self.instructions.append(instr)
+            instructions.append(instr)
+        if self._control_successors is not None:
+            self._index_control_edges(instr, instr.control_predecessors)
         self._dirty = True
+
+    def _index_of(self, instr: HloInstruction) -> int:
+        """The position of `instr`: O(1) right after inserting it (a pass that inserts a run of
+        instructions, each after the one before, does not scan the list each time)."""
+        last = self._last_insert
+        if last is not None and last[0] is instr:
+            index = last[1]
+            if index < len(self.instructions) and self.instructions[index] is instr:
+                return index
+        return self.instructions.index(instr)
+
+    def _control_successor_index(self) -> dict:
+        """Control predecessor -> the instructions naming it, built on first use and then kept current."""
+        if self._control_successors is None:
+            self._control_successors = {}
+            for instr in self.instructions:
+                self._index_control_edges(instr, instr.control_predecessors)
+        return self._control_successors
+
+    def _index_control_edges(self, instr: HloInstruction, preds):
+        for pred in preds if isinstance(preds, tuple) else ():
+            self._control_successors.setdefault(pred, []).append(instr)
+
+    def _unindex_control_edges(self, instr: HloInstruction, preds):
+        for pred in preds if isinstance(preds, tuple) else ():
+            successors = self._control_successors.get(pred)
+            if successors is not None and instr in successors:
+                successors.remove(instr)
 
     def set_root(self, instr: HloInstruction):
         if self.root is instr:
@@ -335,30 +483,65 @@ class HloComputation:
             self._signature_changed()
 
     def remove_instruction(self, instr: HloInstruction):
-        """Remove an instruction that has no users and is not the root."""
-        if instr.users:
-            raise ValueError(f"cannot remove {instr.name}: it is used by {', '.join(u.name for u in instr.users)}")
+        """Remove an instruction that has no users and is not the root.
+
+        Costs the instruction's edges plus one C-level pass over the instruction list; to remove
+        many at once, `remove_instructions` makes that one pass for all of them.
+        """
+        self._detach(instr, ())
+        self.instructions.remove(instr)
+
+    def remove_instructions(self, instrs: Iterable[HloInstruction]):
+        """Remove several instructions, each unused but by others of `instrs` and none the root,
+        in one pass over the instruction list (the others keep their order)."""
+        batch = list(dict.fromkeys(instrs))
+        removing = set(batch)
+        for instr in batch:
+            self._detach(instr, removing)
+        self.instructions = [i for i in self.instructions if i not in removing]
+
+    def _detach(self, instr: HloInstruction, removing):
+        """Everything `remove_instruction` does but taking `instr` out of the instruction list."""
+        if instr.parent is not self:
+            raise ValueError(f"cannot remove {instr.name}: it is not in {self.name}")
+        if any(user not in removing for user in instr.users):
+            users = ", ".join(u.name for u in instr.users if u not in removing)
+            raise ValueError(f"cannot remove {instr.name}: it is used by {users}")
         if instr is self.root:
             raise ValueError(f"cannot remove {instr.name}: it is the root of {self.name}")
-        for other in self.instructions:
-            if instr in other.control_predecessors:
-                other.attrs["control-predecessors"] = tuple(p for p in other.control_predecessors if p is not instr)
+        index = self._control_successor_index()
+        for other in list(index.get(instr, ())):
+            other.attrs[CONTROL_PREDECESSORS] = tuple(p for p in other.control_predecessors if p is not instr)
+        self._unindex_control_edges(instr, instr.control_predecessors)
+        index.pop(instr, None)
         for op in set(instr._operands):
             if instr in op.users:
                 op.users.remove(instr)
-        self.instructions.remove(instr)
         self._gaps.pop(instr, None)
         if instr._owner is not None:
             instr._owner._touch()
-        for other in self.instructions:
-            if other._owner is instr:
-                other._owner = None
+        self._release_nested(instr)
         instr.parent = None
         self._dirty = True
         if instr.opcode == "parameter":
             self._signature_changed()
         if self.parent is not None:
             self.parent._names.discard(instr.name)
+
+    @staticmethod
+    def _release_nested(owner: HloInstruction):
+        """Nested instructions printed inside `owner`'s text (its operands, transitively) print on their own now.
+
+        Only an untouched owner still has its text, and then none of its nested ones was touched.
+        """
+        if owner._span is None:
+            return
+        stack = list(owner._operands)
+        while stack:
+            op = stack.pop()
+            if op._owner is owner:
+                op._owner = None
+                stack.extend(op._operands)
 
     def remove_dead_code(self, keep_side_effects: bool = True) -> bool:
         """Remove instructions whose results nobody uses; returns whether anything was removed."""
@@ -375,8 +558,7 @@ class HloComputation:
             stack.extend(instr._operands)
             stack.extend(instr.control_predecessors)
         dead = [i for i in reversed(self.post_order()) if i not in live]
-        for instr in dead:  # users first, so each is unused when removed
-            self.remove_instruction(instr)
+        self.remove_instructions(dead)
         return bool(dead)
 
     def sort_topologically(self):
@@ -403,6 +585,7 @@ class HloModule:
         self.operand_shapes = True             # operands printed with their shapes
         self.signatures = True                 # computations printed with `(params) -> shape`
         self._names: set[str] = set()
+        self._unclaimed: list[HloComputation] = []  # unparsed computations whose names _names lacks
         self._source = None
         self._header_span = None
         self._header_stale = False
@@ -426,9 +609,18 @@ class HloModule:
         raise KeyError(f"no computation {name!r} in module {self.name}")
 
     def instructions(self):
-        """Every instruction of every computation."""
+        """Every instruction of every computation (parsing any computation not parsed yet)."""
         for comp in self.computations:
             yield from comp.instructions
+
+    def instructions_mentioning(self, words: Iterable[str]):
+        """Every instruction, but for computations not parsed yet whose source text contains none of
+        `words`: a superset of the instructions whose text contains one, that leaves computations
+        which cannot hold any (e.g. fusion bodies when looking for collectives) unparsed."""
+        words = tuple(words)
+        for comp in self.computations:
+            if comp.may_contain_text(words):
+                yield from comp.instructions
 
     def find(self, name: str) -> HloInstruction:
         for instr in self.instructions():
@@ -476,7 +668,7 @@ class HloModule:
         """A name not used yet in this module (XLA style: `base`, `base.1`, `base.2`, ...)."""
         if base.startswith("%"):
             base = base[1:]
-        names = self._names
+        names = self._claimed_names()
         if base not in names:
             names.add(base)
             return base
@@ -490,8 +682,17 @@ class HloModule:
         names.add(name)
         return name
 
+    def _claimed_names(self) -> set[str]:
+        """Every name in the module, those in bodies not parsed yet included (read from their text)."""
+        if self._unclaimed:
+            from .parser import defined_names
+            self._names.update(defined_names("".join(c.unparsed_text for c in self._unclaimed if not c.parsed)))
+            self._unclaimed = []
+        return self._names
+
     def add_computation(self, comp: HloComputation, *, before: HloComputation | None = None) -> HloComputation:
         """Add a computation (before `before`, else just before the entry) and claim its names."""
+        self._claimed_names()
         comp.parent = self
         comp.name = self.unique_name(comp.name)
         for instr in comp.instructions:

@@ -12,6 +12,7 @@ reproduces unmodified text byte for byte.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import operator
 import re
@@ -32,6 +33,7 @@ _INT = re.compile(r"-?\d+")
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
 _OUTER_CHUNK = re.compile(r'[^\s,(){}\[\]"]+')
 _INNER_CHUNK = re.compile(r'[^(){}\[\]"]+')
+_LEAF_GROUP = re.compile(r'\([^(){}\[\]"]*\)|\[[^(){}\[\]"]*\]|\{[^(){}\[\]"]*\}')
 _ARRAY_SHAPE = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
 _LAYOUT_SIMPLE = re.compile(r"\{\s*(\d+(?:\s*,\s*\d+)*)?\s*\}")
 _COMMENT = re.compile(r"/\*.*?\*/", re.S)
@@ -54,7 +56,7 @@ _OPERAND_RE = (r"\s*(?:/\*index=\d+\*/)?\s*(?:([a-z][a-z0-9]*\[[^\]]*\](?:\{[^{}
                r"%?([A-Za-z_][\w.\-]*)\s*")
 _FAST_OPERAND = re.compile(_OPERAND_RE)
 _ARRAY_RE = r"[a-z][a-z0-9]*\[[^\]\n]*\](?:\{[^{}\n]*\})?"
-_FAST_SIGNATURE = re.compile(r"\(((?:[^()\n])*)\)[ \t]*->[ \t]*(" + _ARRAY_RE + r")")
+_FAST_SIGNATURE = re.compile(r"\(((?:[^()\n])*)\)[ \t]*->[ \t]*(" + _SHAPE_RE + r")")
 _FAST_PARAM = re.compile(r"([A-Za-z_][\w.\-]*)[ \t]*:[ \t]*(" + _ARRAY_RE + r")")
 # Possessive (`++`, `*+`): the same matches as plain repeats here, without retrying every split of a run
 # of characters, which made attribute matching several times slower.
@@ -76,8 +78,19 @@ _FAST_OPERAND_LIST = re.compile(_OPERAND_RE.replace("(?:([", "(?:(?:[").replace(
                                 + "(?:," + _OPERAND_RE.replace("(?:([", "(?:(?:[").replace("%?([", "%?(?:[") + ")*")
 
 
-def parse_module(text: str) -> HloModule:
-    """Parse HLO text into an HloModule; raises HloParseError (with .line/.column) on bad input."""
+_INTERNAL_ERRORS = (RecursionError, ValueError, IndexError, KeyError, TypeError, AttributeError, OverflowError)
+
+
+def parse_module(text: str, *, lazy_bodies: bool = False) -> HloModule:
+    """Parse HLO text into an HloModule; raises HloParseError (with .line/.column) on bad input.
+
+    `lazy_bodies=True` parses only the entry computation's body now: every other computation
+    keeps its body as text until something reads it (`comp.instructions`, `comp.root`, ...), and
+    is printed as that text while unread. Its errors surface when it is read, as the same
+    HloParseError. Made for text XLA printed, where each body ends at the first line starting
+    with `}`; other text that cannot be cut that way is parsed eagerly (errors included). It
+    saves most of the parse when a pass reads few computations (fusion bodies).
+    """
     if not isinstance(text, str):
         if isinstance(text, (bytes, bytearray)):
             try:
@@ -89,10 +102,12 @@ def parse_module(text: str) -> HloModule:
     parser = _Parser(text)
     try:
         with garbage_collection_paused():  # a parse allocates many long-lived objects
-            return parser.module()
+            return parser.module(lazy_bodies)
     except HloParseError:
+        if lazy_bodies:  # not cut where XLA ends bodies (or wrong): the eager parse knows which
+            return parse_module(text)
         raise
-    except (RecursionError, ValueError, IndexError, KeyError, TypeError, AttributeError, OverflowError) as e:
+    except _INTERNAL_ERRORS as e:
         # A parser bug must still surface as the documented error type; "internal error" marks it.
         raise parser.error(f"internal error while parsing: {type(e).__name__}: {e}") from e
 
@@ -226,6 +241,11 @@ class _Parser:
                     raise self.error("unterminated string", i)
                 i = m.end()
             elif c in "([{":
+                if stack and len(stack) < MAX_NESTING:
+                    m = _LEAF_GROUP.match(text, i)
+                    if m is not None:  # a whole innermost group (`{0}`, `[256]`) in one step
+                        i = m.end()
+                        continue
                 stack.append(c)
                 if len(stack) > MAX_NESTING:
                     raise self.error("attribute value nested too deeply", i)
@@ -304,7 +324,10 @@ class _Parser:
             if self.peek() != ")":
                 raise self.error("expects ')' at the end of the tuple shape", self.pos if self.pos < self.n else start)
             self.pos += 1
-            return Shape.tuple(elements)
+            shape = Shape.tuple(elements)
+            if len(_SHAPE_CACHE) < 100_000:  # e.g. the results of multi-output fusions, for the fast paths
+                _SHAPE_CACHE.setdefault(self.text[start:self.pos], shape)
+            return shape
         m = _ARRAY_SHAPE.match(self.text, self.pos)
         if not m:
             raise self.error("expected primitive type")
@@ -397,7 +420,7 @@ class _Parser:
         return Layout(m2m, extra)
 
     # -- module ---------------------------------------------------------------------------------------
-    def module(self) -> HloModule:
+    def module(self, lazy: bool = False) -> HloModule:
         self.skip()
         if not self.keyword_ahead("HloModule"):
             raise self.error("expects 'HloModule'")
@@ -444,7 +467,7 @@ class _Parser:
             if self.pos >= self.n:
                 break
             comp_start = self.pos
-            comp = self.computation(module)
+            comp = self.computation(module, lazy)
             if comp.is_entry:
                 if entry_seen:
                     raise self.error("expects only one ENTRY", comp_start)
@@ -535,7 +558,12 @@ class _Parser:
         return tables
 
     # -- computations ---------------------------------------------------------------------------------
-    def computation(self, module: HloModule) -> HloComputation:
+    def computation(self, module: HloModule, lazy: bool = False) -> HloComputation:
+        """One computation; with `lazy`, a non-entry one keeps its body as text until it is read."""
+        if lazy:
+            comp = self._unparsed_computation(module)
+            if comp is not None:
+                return comp
         start = self.pos
         is_entry = False
         if self.keyword_ahead("ENTRY"):
@@ -546,9 +574,7 @@ class _Parser:
         if name in self.computation_names:
             raise self.error(f"computation already exists: {name}", name_pos)
         self.computation_names.add(name)
-        comp = HloComputation(name, is_entry)
-        comp.parent = module
-        comp.line = self.line_of(start)
+        line = self.line_of(start)
         module._names.add(name)
         self.skip()
         signature = None
@@ -556,21 +582,20 @@ class _Parser:
             signature = self._signature()
             self.saw["signature"] = True
         self.expect("{", "to start the computation")
-        comp._head_span = (start, self.pos)
-        symbols: dict[str, HloInstruction] = {}
-        pending_preds = []
-        prev_end = self.pos
-        while True:
-            prev_end = self._fast_lines(comp, symbols, prev_end)
-            self.skip()
-            if self.peek() == "}":
-                break
-            if self.pos >= self.n:
+        body_start = self.pos
+        if lazy and not is_entry:
+            close = self.text.find("\n}", body_start) + 1
+            if close == 0:
                 raise self.error("expects '}' at the end of the computation", start)
-            instr_start = self.pos
-            instr = self.instruction(comp, symbols, pending_preds, 0)
-            comp._gaps[instr] = self.text[prev_end:instr_start]
-            prev_end = self.pos
+            comp = self._defer_body(name, (start, name_pos, body_start, close), signature)
+            self.pos = close
+        else:
+            comp = HloComputation(name, is_entry)
+            symbols, pending_preds = {}, []
+            prev_end = self._body_instructions(comp, symbols, pending_preds, start)
+        comp.line = line
+        comp.parent = module
+        comp._head_span = (start, body_start)
         close = self.pos
         self.pos += 1
         save = self.pos
@@ -590,8 +615,75 @@ class _Parser:
                 raise self.error(e.message, value_pos) from None
         else:
             self.pos = save
-        comp._tail_span = (prev_end, self.pos)
         comp._span = (start, self.pos)
+        if comp.parsed:
+            comp._tail_span = (prev_end, self.pos)
+            self._finish_body(comp, symbols, pending_preds, signature, name_pos, close)
+        else:
+            module._unclaimed.append(comp)
+        if is_entry:
+            module.entry = comp
+        module.computations.append(comp)
+        self.computations_by_name[name] = comp
+        comp._dirty = False
+        return comp
+
+    def _unparsed_computation(self, module: HloModule) -> HloComputation | None:
+        """The common case of a lazily parsed computation in one regex match: a non-entry header,
+        a body up to the first line starting with `}`, nothing after that `}` on its line. None
+        (and nothing consumed) for anything else, which the general path then parses."""
+        text = self.text
+        m = _UNPARSED_HEAD.match(text, self.pos)
+        if m is None or m.group(1) in self.computation_names or m.group(1) == "ENTRY":
+            return None
+        body_start = m.end()
+        close = text.find("\n}", body_start) + 1
+        if close == 0 or text[close + 1:close + 2] not in ("\n", ""):
+            return None
+        start, name = self.pos, m.group(1)
+        self.computation_names.add(name)
+        module._names.add(name)
+        if m.group(2) is not None:
+            self.saw["signature"] = True
+        signature = functools.partial(_read_signature, text, m.start(2)) if m.group(2) is not None else None
+        comp = self._defer_body(name, (start, m.start(1), body_start, close), signature)
+        comp.line = self.line_of(start)
+        comp.parent = module
+        comp._head_span = (start, body_start)
+        self.pos = close + 1
+        comp._span = (start, self.pos)
+        module._unclaimed.append(comp)
+        module.computations.append(comp)
+        self.computations_by_name[name] = comp
+        return comp
+
+    def _defer_body(self, name: str, positions: tuple, signature) -> HloComputation:
+        """A computation whose body (`positions`: start, name, body start, closing `}`) is parsed
+        when first read; `signature` is the parsed header signature, or a function parsing it."""
+        read_signature = signature if callable(signature) or signature is None else (lambda: signature)
+        parse_body = functools.partial(_parse_unparsed_body, self.text, self.computations_by_name, positions,
+                                       read_signature)
+        return HloComputation.unparsed(name, self.text[positions[2]:positions[3]], parse_body, read_signature)
+
+    def _body_instructions(self, comp: HloComputation, symbols: dict, pending_preds: list, start: int) -> int:
+        """The instructions of a computation, up to its closing `}` (where it leaves `pos`); returns
+        the end of the last one."""
+        prev_end = self.pos
+        while True:
+            prev_end = self._fast_lines(comp, symbols, prev_end)
+            self.skip()
+            if self.peek() == "}":
+                return prev_end
+            if self.pos >= self.n:
+                raise self.error("expects '}' at the end of the computation", start)
+            instr_start = self.pos
+            instr = self.instruction(comp, symbols, pending_preds, 0)
+            comp._gaps[instr] = self.text[prev_end:instr_start]
+            prev_end = self.pos
+
+    def _finish_body(self, comp: HloComputation, symbols: dict, pending_preds: list, signature, name_pos: int,
+                     close: int):
+        """The root, control predecessors and declared signature of a parsed body."""
         if not comp.instructions:
             raise self.error("computation has no instructions", close)
         if comp.root is None:
@@ -605,12 +697,6 @@ class _Parser:
             dict.__setitem__(instr.attrs, "control-predecessors", tuple(preds))
         if signature is not None:
             self._check_signature(comp, signature, name_pos)
-        if is_entry:
-            module.entry = comp
-        module.computations.append(comp)
-        self.computations_by_name[name] = comp
-        comp._dirty = False
-        return comp
 
     def _fast_lines(self, comp: HloComputation, symbols: dict, prev_end: int) -> int:
         """Consume a run of ordinary one-line instructions, one regex match each.
@@ -1121,7 +1207,13 @@ class _Parser:
             raise self.error(f"cannot infer the shape of {opcode}: {e}", pos) from None
 
     def _resolve_computation_refs(self, module: HloModule):
-        by_name = {c.name: c for c in module.computations}
+        self._resolve_computation_refs_of({c.name: c for c in module.computations})
+        for comp in module.computations:
+            if comp.parsed:
+                _mark_nested(comp)
+
+    def _resolve_computation_refs_of(self, by_name: dict):
+        """Set the computation attributes the general path left pending (names -> computations)."""
         for instr, key, names, pos, braced in self.pending_computation_refs:
             comps = []
             for n in names:
@@ -1130,14 +1222,71 @@ class _Parser:
                 comps.append(by_name[n])
             value = tuple(comps) if braced or len(comps) != 1 else comps[0]
             dict.__setitem__(instr.attrs, key, value)
-        # Nested anonymous instructions print inside the instruction that owns their text.
-        for comp in module.computations:
-            owner = None
-            for instr in reversed(comp.instructions):
-                if instr._span is not None:
-                    owner = instr
-                elif owner is not None:
-                    instr._owner = owner
+
+
+def _mark_nested(comp: HloComputation):
+    """Nested anonymous instructions print inside the instruction that owns their text."""
+    owner = None
+    for instr in reversed(comp.instructions):
+        if instr._span is not None:
+            owner = instr
+        elif owner is not None:
+            instr._owner = owner
+
+
+def _read_signature(text: str, pos: int):
+    """The computation signature `(p: f32[2]) -> f32[2]` at `pos` of `text`, parsed."""
+    parser = _Parser(text)
+    parser.pos = pos
+    return parser._signature()
+
+
+def _parse_unparsed_body(text: str, computations_by_name: dict, positions: tuple, read_signature,
+                         comp: HloComputation):
+    """Parse the body of a computation that `parse_module(lazy_bodies=True)` left as text.
+
+    `positions` are the computation's start, name, body start and closing `}` in `text`;
+    `read_signature()` gives its header's signature (None: none); callees resolve by the
+    names the module had when parsed.
+    """
+    start, name_pos, body_start, close = positions
+    signature = read_signature() if read_signature is not None else None
+    parser = _Parser(text)
+    parser.module_ = comp.parent
+    parser.computations_by_name = computations_by_name
+    parser.pos = body_start
+    parser._line_mark = (start, comp.line)
+    comp.instructions, comp.root, comp._gaps = [], None, {}
+    symbols, pending_preds = {}, []
+    try:
+        prev_end = parser._body_instructions(comp, symbols, pending_preds, start)
+        if parser.pos != close:
+            raise parser.error(f"computation {comp.name} does not end where a line starting with '}}' "
+                               f"first follows its body (parse this module without lazy_bodies)")
+        parser._finish_body(comp, symbols, pending_preds, signature, name_pos, close)
+        parser._resolve_computation_refs_of(computations_by_name)
+        _mark_nested(comp)
+    except BaseException as e:
+        del comp.instructions, comp.root, comp._gaps  # stays unparsed: reading it again raises again
+        if isinstance(e, HloParseError) or not isinstance(e, _INTERNAL_ERRORS):
+            raise
+        raise parser.error(f"internal error while parsing: {type(e).__name__}: {e}") from e
+    comp._tail_span = (prev_end, comp._span[1])
+
+
+# The header of a non-entry computation as XLA prints it: `[%]name [(params) -> shape] {` and a
+# line break; the signature (group 2) has no braces (XLA prints no layouts there).
+_UNPARSED_HEAD = re.compile(r"%?([A-Za-z_][\w.\-]*)[ \t]*(\([^\n{}]*\)[ \t]*->[ \t]*[^\n{}]*?)?[ \t]*\{(?=[ \t]*\n)")
+
+# Lines of a computation's body (which starts with a line break) that define an instruction:
+# `[ROOT] [%]name =`. The leading `\n` lets the regex engine jump from line to line.
+_DEFINED_NAME = re.compile(r"\n[ \t]*(?:ROOT[ \t]+)?%?([A-Za-z_][\w.\-]*)[ \t]*=")
+
+
+def defined_names(body_text: str) -> list[str]:
+    """The names of the instructions a computation body's text defines, one per line (nested
+    anonymous instructions get fresh names when parsed, so they claim none)."""
+    return _DEFINED_NAME.findall(body_text)
 
 
 _STRUCTURED = {

@@ -9,6 +9,7 @@ import argparse
 import os
 
 from hlo_tools import cli, report
+from hlo_tools.graph_command import check_drawing_options
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -33,10 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_report(args: argparse.Namespace) -> int:
     """Write the report of ``args.directory`` to ``args.output``; say where, and what was skipped."""
-    if args.max_nodes < 1:
-        raise cli.CommandError(f"--max-nodes must be at least 1, not {args.max_nodes}")
-    if args.hops < 0:
-        raise cli.CommandError(f"--hops must be 0 or more, not {args.hops}")
+    check_drawing_options(args)
     if os.path.isdir(args.output):
         raise cli.CommandError("is a directory; give the HTML file to write", args.output)
     if not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):

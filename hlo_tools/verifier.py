@@ -172,11 +172,16 @@ def verify_edits(module) -> None:
     time costs more than the pass. The IR marks every edit for its printer (an edited or new
     instruction loses its source span; its computation becomes dirty), and those marks bound what
     an edit can break. Checked here: the structure, send/recv/async pairing and every edited or
-    new instruction of each dirty or new computation, the users of edited instructions (and
-    whole async chains), the roots and callers of dirty computations (their signatures and
-    fusion bodies), plus every module-wide check (call graph, async sharing, entry layout,
-    aliasing, layout-constrained all-reduces). A module built without parsing has no source
-    spans, so all of it is checked.
+    new instruction of each dirty or new computation; the users of instructions whose shape was
+    set (`set_shape`; an edit that keeps an instruction's shape cannot break its users) and whole
+    chains of edited async ops; the roots and callers of dirty computations (their signatures and
+    fusion bodies); every module-wide check (call graph, async sharing, layout-constrained
+    all-reduces), and the entry layout and aliasing when the header or the entry's signature
+    changed. A module built without parsing has no source spans, so all of it is checked.
+    Computations not parsed yet (`parse_module(lazy_bodies=True)`) are text no pass touched: they
+    are read only when their text names an edited computation or holds an op a module-wide check
+    looks at (`async-start`, `all-reduce`); a fusion's operands are checked against the signature
+    in its unread body's header.
     """
     _Verifier(module).run(edited_only=True)
 
@@ -227,6 +232,7 @@ class _Verifier:
             names.add(comp.name)
             self.comp_position[comp] = i
         computations = _dirty_computations(module) if edited_only else module.computations
+        self.walked = _computations_to_walk(module, computations) if edited_only else module.computations
         for comp in computations:
             self.check_structure(comp)
         self.check_call_graph()
@@ -241,8 +247,9 @@ class _Verifier:
         self.check_pairs(computations)
         for instr in instructions:
             self.check_instruction(instr)
-        self.check_entry_layout()
-        self.check_aliasing()
+        if not edited_only or _entry_interface_edited(module):
+            self.check_entry_layout()
+            self.check_aliasing()
         self.check_constrained_all_reduce()
 
     def _edited_instructions(self, dirty) -> list:
@@ -255,10 +262,12 @@ class _Verifier:
                 for instr in comp.instructions:
                     if instr._span is None:
                         selected.add(instr)
-                        _add_users(instr, selected)
+                        # An edit that keeps the shape (new operands, attributes) cannot break a user.
+                        if instr._shape_set or _is_async_start_or_update(instr):
+                            _add_users(instr, selected)
                 selected.add(comp.root)
             selected.update(self.callers.get(comp, ()))
-        return [instr for comp in self.module.computations for instr in comp.instructions if instr in selected]
+        return [instr for comp in self.walked for instr in comp.instructions if instr in selected]
 
     # -- 1. structure ---------------------------------------------------------------------------------
     def check_structure(self, comp):
@@ -322,7 +331,7 @@ class _Verifier:
 
     def check_call_graph(self):
         self.callers = {}
-        for comp in self.module.computations:
+        for comp in self.walked:
             here = self.comp_position[comp]
             for instr in comp.instructions:
                 for key, value in instr.attrs.items():
@@ -630,7 +639,7 @@ class _Verifier:
 
     def check_async_sharing(self):
         owner = {}
-        for comp in self.module.computations:
+        for comp in self.walked:
             for instr in comp.instructions:
                 if instr.opcode != "async-start":
                     continue
@@ -1252,17 +1261,27 @@ class _Verifier:
         if len(callers) != 1:
             self.fail(instr, f"fused computation {comp.name} is called by {len(callers)} instructions; a fusion "
                              f"computation belongs to exactly one fusion instruction")
-        if not compatible(instr.shape, comp.root.shape):
-            self.fail(instr, f"Fused computation shape ({_txt(comp.root.shape)}) is not equal to the fusion shape "
+        # A body not parsed yet is unedited text: its header's signature stands for it.
+        declared = comp.unparsed_program_shape
+        if declared is not None:
+            param_shapes, result = declared
+        else:
+            param_shapes = {p.parameter_number: p.shape for p in comp.parameters}
+            param_shapes = [param_shapes[n] for n in sorted(param_shapes)]
+            result = comp.root.shape
+        if not compatible(instr.shape, result):
+            self.fail(instr, f"Fused computation shape ({_txt(result)}) is not equal to the fusion shape "
                              f"({_txt(instr.shape)})")
-        params = comp.parameters
-        if len(params) > len(instr.operands):
-            self.fail(instr, f"Fused parameter count ({len(params)}) is greater than the number of operands "
+        if len(param_shapes) > len(instr.operands):
+            self.fail(instr, f"Fused parameter count ({len(param_shapes)}) is greater than the number of operands "
                              f"({len(instr.operands)}) passed to the fusion instruction in: {instr.name}.")
-        for p in params:
-            if not compatible(p.shape, instr.operands[p.parameter_number].shape):
-                self.fail(instr, f"Shape mismatch between parameter number {p.parameter_number} and its operand in "
+        for number, shape in enumerate(param_shapes):
+            if not compatible(shape, instr.operands[number].shape):
+                self.fail(instr, f"Shape mismatch between parameter number {number} and its operand in "
                                  f"{instr.name}.")
+        if declared is not None:
+            self.check_output_operand_aliasing(instr)
+            return
         root = comp.root
         if root.users:
             self.fail(instr, f"Root of {instr.name} may not have users.")
@@ -1555,7 +1574,7 @@ class _Verifier:
 
     def check_constrained_all_reduce(self):
         reference = None
-        for instr in self.module.instructions():
+        for instr in (i for comp in self.walked for i in comp.instructions):
             if instr.opcode not in ("all-reduce", "all-reduce-start"):
                 continue
             value = attr_bool(instr.attrs, "constrain_layout")
@@ -1624,6 +1643,23 @@ for _op in _PLAIN_UNARY | _PLAIN_BINARY | _RESULT_ACCURACY_OPS | {"convert", "st
 def _dirty_computations(module) -> list:
     """Computations edited since parsing, or never parsed (built or cloned by a pass)."""
     return [comp for comp in module.computations if comp._dirty or comp._span is None]
+
+
+def _entry_interface_edited(module) -> bool:
+    """Whether the header or the entry's parameters or result may differ from the parsed module's
+    (what the entry-layout and aliasing checks compare): parameter edits and new roots of another
+    shape clear the entry's head span, a root's own shape edit marks it, and replacing
+    computations marks the module dirty."""
+    entry = module.entry
+    return (module._header_stale or module._dirty or entry._head_span is None or entry.root is None
+            or entry.root._shape_set)
+
+
+def _computations_to_walk(module, dirty: list) -> list:
+    """The computations `verify_edits` reads: all but those still unparsed whose text names no
+    dirty computation and holds no op of a module-wide check (see `verify_edits`)."""
+    words = ("async-start", "all-reduce", *(comp.name for comp in dirty))
+    return [comp for comp in module.computations if comp.may_contain_text(words)]
 
 
 def _add_users(instr, selected: set) -> None:

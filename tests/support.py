@@ -26,3 +26,15 @@ def first_difference(expected: str, actual: str) -> str:
             return f"line {number}: expected {want[:160]!r}, got {got[:160]!r}"
     return (f"same first {min(len(expected_lines), len(actual_lines))} lines, then "
             f"{len(expected)} vs {len(actual)} characters in all")
+
+
+def run_hlo_tools(capsys, *argv):
+    """(exit status, stdout, stderr) of ``hlo-tools argv``, run in this process."""
+    from hlo_tools import cli  # noqa: PLC0415 - only the CLI tests need it
+
+    try:
+        status = cli.main([str(a) for a in argv])
+    except SystemExit as exit_:
+        status = exit_.code
+    out, err = capsys.readouterr()
+    return status, out, err

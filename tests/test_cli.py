@@ -12,6 +12,7 @@ import pytest
 
 import hlo_tools
 from hlo_tools import cli, xla_bridge
+from support import run_hlo_tools as run
 
 # Irregular spacing and a comment-free blank line: the faithful print must keep them.
 MODULE = """HloModule cli_test, entry_computation_layout={(f32[4]{0})->f32[4]{0}}
@@ -45,17 +46,6 @@ def module_file(tmp_path):
     path = tmp_path / "module.hlo"
     path.write_text(MODULE, encoding="utf-8")
     return path
-
-
-def run(capsys, *argv):
-    """(exit status, stdout, stderr) of ``hlo-tools argv``."""
-    try:
-        status = cli.main([str(a) for a in argv])
-    except SystemExit as exit_:
-        status = exit_.code
-    out, err = capsys.readouterr()
-    return status, out, err
-
 
 def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
     """The subcommand parsers registered on ``parser``."""

@@ -9,9 +9,10 @@ import sys
 import pytest
 
 import hlo_tools
-from hlo_tools import cli, diff
+from hlo_tools import diff
 from hlo_tools.diff import InstructionChange
 from hlo_tools.literal import Literal
+from support import run_hlo_tools as run
 
 SMALL = """HloModule small, replica_count=2
 
@@ -34,17 +35,6 @@ ENTRY main {
 
 ERROR_LINE = re.compile(r"hlo-tools: error: [^\n]+\n")
 DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "diff.md"
-
-
-def run(capsys, *argv):
-    """(exit status, stdout, stderr) of ``hlo-tools argv``."""
-    try:
-        status = cli.main([str(a) for a in argv])
-    except SystemExit as exit_:
-        status = exit_.code
-    out, err = capsys.readouterr()
-    return status, out, err
-
 
 def reparsed(module: hlo_tools.HloModule) -> hlo_tools.HloModule:
     """The module as another tool would read it: printed and parsed again."""

@@ -9,7 +9,8 @@ import pytest
 
 import hlo_tools
 import real_programs
-from hlo_tools import cli, graph
+from hlo_tools import graph
+from support import run_hlo_tools as run
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -166,13 +167,6 @@ def test_a_few_thousand_instructions_stay_bounded_in_time_and_size():
 
 
 # --- hlo-tools graph -------------------------------------------------------------------------------
-
-
-def run(capsys, *argv):
-    status = cli.main(list(argv))
-    out, err = capsys.readouterr()
-    return status, out, err
-
 
 @pytest.fixture
 def small_file(tmp_path):

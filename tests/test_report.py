@@ -19,8 +19,9 @@ import pytest
 import hlo_tools
 import real_programs
 import xla_passes
-from hlo_tools import cli, report
+from hlo_tools import report
 from hlo_tools.report import classify
+from support import run_hlo_tools as run
 
 MOMENTUM = """HloModule momentum, replica_count=8
 
@@ -46,13 +47,6 @@ ENTRY step {
   ROOT out = (f32[64,16], f32[64,16]) tuple(w1, m1)
 }
 """
-
-
-def run(capsys, *argv):
-    status = cli.main(list(argv))
-    out, err = capsys.readouterr()
-    return status, out, err
-
 
 @pytest.fixture
 def wus_dump(tmp_path):

@@ -9,7 +9,8 @@ import pytest
 
 import hlo_tools
 import real_programs
-from hlo_tools import cli, stats
+from hlo_tools import stats
+from support import run_hlo_tools as run
 
 DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "stats.md"
 ERROR_LINE = re.compile(r"hlo-tools: error: [^\n]+\n")
@@ -73,17 +74,6 @@ ENTRY main {
   ROOT s = f32[8,3] custom-call(c), custom_call_target="Sharding", sharding={devices=[4,1]<=[4]}
 }
 """
-
-
-def run(capsys, *argv):
-    """(exit status, stdout, stderr) of ``hlo-tools argv``."""
-    try:
-        status = cli.main([str(a) for a in argv])
-    except SystemExit as exit_:
-        status = exit_.code
-    out, err = capsys.readouterr()
-    return status, out, err
-
 
 def write(tmp_path, text, name="module.hlo"):
     path = tmp_path / name

@@ -21,6 +21,7 @@ StableHLO (so such a result could not even be executed here); `*-start`/`*-done`
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from typing import Callable, Hashable, Iterable, Sequence
 
@@ -90,6 +91,16 @@ def reducer_key(instr: HloInstruction) -> tuple | None:
     return computation_key(reducer) if isinstance(reducer, HloComputation) else None
 
 
+def reducer_opcode(reducer: HloComputation) -> str | None:
+    """`add` for `ROOT add(p0, p1)` over two scalar parameters, and so on; None otherwise."""
+    root = reducer.root
+    if reducer.num_parameters != 2 or root.operand_count != 2:
+        return None
+    if {o.opcode for o in root.operands} != {"parameter"} or root.operand(0) is root.operand(1):
+        return None
+    return root.opcode
+
+
 def collective_dimension(instr: HloInstruction) -> int:
     """The gather or scatter dimension of an all-gather or reduce-scatter."""
     return attr_ints(instr.attrs, "dimensions")[0]
@@ -127,21 +138,18 @@ class DependencyTracker:
 
     Dependencies follow operands and control predecessors, transitively. Adding a source
     marks everything downstream of it once, so a whole group costs one walk of the
-    computation.
+    computation (control edges come from the IR's index, `HloInstruction.control_successors`).
     """
 
     def __init__(self, comp: HloComputation):
-        self._control_successors: dict[HloInstruction, list[HloInstruction]] = {}
-        for instr in comp.instructions:
-            for pred in instr.control_predecessors:
-                self._control_successors.setdefault(pred, []).append(instr)
+        self.computation = comp
         self._downstream: set[HloInstruction] = set()
 
     def add_source(self, source: HloInstruction) -> None:
         stack = [source]
         while stack:
             instr = stack.pop()
-            for nxt in (*instr.users, *self._control_successors.get(instr, ())):
+            for nxt in (*instr.users, *instr.control_successors):
                 if nxt not in self._downstream:
                     self._downstream.add(nxt)
                     stack.append(nxt)
@@ -200,42 +208,67 @@ def combine_by_key(comp: HloComputation, key_of: Callable[[HloInstruction], Hash
     return changed
 
 
-def combinable_computations(module: HloModule) -> list[HloComputation]:
-    """The computations whose collectives a pass may rewrite: every computation but fusion
-    bodies and async-wrapped computations (those must keep their single op)."""
-    wrapped = set()
-    for instr in module.instructions():
-        if instr.opcode == "fusion" or instr.opcode.startswith("async-") or async_wrapped_opcode(instr.opcode):
+# Text that every instruction wrapping a computation (fusion, async op) has in its opcode: an
+# unparsed computation whose source lacks all of them calls nothing that must stay whole.
+_WRAPPER_WORDS = ("fusion", "async-", "-start", "-update", "-done")
+_CONSTRAIN_LAYOUT = "constrain_layout"
+
+
+@dataclasses.dataclass
+class CombinerScope:
+    """Where the combiners may work in a module, found in one walk (collective-fusion runs three
+    combiners on one module; none of them adds or removes fusions or async ops).
+
+    `computations`: every computation but fusion bodies and async-wrapped computations (those
+    must keep their single op). `layout_constrained`: the collective opcodes of which some op
+    (or its async start) has `constrain_layout=true`; XLA's combiners then leave the module
+    alone, since such ops promise their operand layouts.
+    """
+
+    computations: list[HloComputation]
+    layout_constrained: set[str]
+
+
+def combiner_scope(module: HloModule) -> CombinerScope:
+    """The `CombinerScope` of `module`. Computations not parsed yet are read only when their text
+    could hold a wrapper or a layout constraint (`HloModule.instructions_mentioning`)."""
+    wrapped, constrained = set(), set()
+    for instr in module.instructions_mentioning(_WRAPPER_WORDS + (_CONSTRAIN_LAYOUT,)):
+        opcode = instr.opcode
+        if opcode == "fusion" or opcode.startswith("async-") or async_wrapped_opcode(opcode):
             wrapped.update(instr.called_computations)
-    return [c for c in module.computations if c not in wrapped]
+        if _CONSTRAIN_LAYOUT in instr.attrs and attr_bool(instr.attrs, _CONSTRAIN_LAYOUT):
+            constrained.add(opcode.removesuffix("-start"))
+    return CombinerScope([c for c in module.computations if c not in wrapped], constrained)
 
 
-def has_layout_constrained(module: HloModule, opcode: str) -> bool:
-    """Whether any `opcode` collective (or its async start) has `constrain_layout=true`; XLA's
-    combiners then leave the module alone, since such ops promise their operand layouts."""
-    return any(instr.opcode in (opcode, opcode + "-start") and attr_bool(instr.attrs, "constrain_layout")
-               for instr in module.instructions())
+def combinable_computations(module: HloModule) -> list[HloComputation]:
+    """The computations whose collectives a pass may rewrite (`CombinerScope.computations`)."""
+    return combiner_scope(module).computations
 
 
 def run_combiner(module: HloModule, opcode: str, key_of: Callable[[HloInstruction], Hashable | None],
                  combine: Callable[[list[HloInstruction]], object], *, threshold_bytes: int,
-                 threshold_count: int) -> bool:
+                 threshold_count: int, scope: CombinerScope | None = None) -> bool:
     """Combine the `opcode` collectives of every combinable computation of `module`.
 
     `key_of` is only asked about instructions of `opcode`. Computations with `domain`
     instructions are skipped (XLA combines only within one sharding domain; these are left
     alone rather than split by domain). Computations that changed are put back in an order
     where definitions come before uses (a combined op sits where its first member's users
-    need it).
+    need it). `scope` is `combiner_scope(module)` when the caller has it already.
     """
-    if has_layout_constrained(module, opcode):
+    scope = scope or combiner_scope(module)
+    if opcode in scope.layout_constrained:
         return False
 
     def key(instr):
         return key_of(instr) if instr.opcode == opcode else None
 
     changed = False
-    for comp in combinable_computations(module):
+    for comp in scope.computations:
+        if not comp.may_contain_text((opcode,)):
+            continue  # left unparsed: it has no `opcode` collective
         if any(instr.opcode == "domain" for instr in comp.instructions):
             continue
         if combine_by_key(comp, key, combine, threshold_bytes=threshold_bytes, threshold_count=threshold_count):
@@ -331,7 +364,8 @@ def _same_attr(key: str, a, b) -> bool:
     return b is not None and format_value(key, a) == format_value(key, b)
 
 
-def replace_with_elements(old: HloInstruction, elements: Sequence[HloInstruction]) -> HloInstruction | None:
+def replace_with_elements(old: HloInstruction, elements: Sequence[HloInstruction],
+                          unused: list[HloInstruction] | None = None) -> HloInstruction | None:
     """Make every use of `old` use `elements` instead, and remove `old`.
 
     An array-shaped `old` has one element, which takes its place. For a tuple-shaped `old`,
@@ -339,9 +373,12 @@ def replace_with_elements(old: HloInstruction, elements: Sequence[HloInstruction
     root) gets a new `tuple` of the elements. Control successors of `old` wait for the
     elements instead; its control predecessors are the caller's to place (they belong before
     whatever computes the elements). Returns the instruction that took `old`'s place: the
-    element, the new tuple, or None when only `get-tuple-element`s used it.
+    element, the new tuple, or None when only `get-tuple-element`s used it. With `unused`,
+    `old` and its replaced `get-tuple-element`s are appended there instead of removed, for the
+    caller to remove many at once (`HloComputation.remove_instructions`).
     """
     comp = old.parent
+    doomed = []
     replacement = None
     if not old.shape.is_tuple:
         replacement = elements[0]
@@ -354,21 +391,25 @@ def replace_with_elements(old: HloInstruction, elements: Sequence[HloInstruction
                 for pred in user.control_predecessors:
                     element.add_control_predecessor(pred)
                 _move_control_successors(user, [element])
-                comp.remove_instruction(user)
+                user.set_operands(())
+                doomed.append(user)
         if old.users or old.is_root:
             replacement = comp.add_instruction("tuple", elements, old.shape, after=elements[-1])
             old.replace_all_uses_with(replacement)
     _move_control_successors(old, elements)
-    comp.remove_instruction(old)
+    doomed.append(old)
+    if unused is None:
+        comp.remove_instructions(doomed)
+    else:
+        unused.extend(doomed)
     return replacement
 
 
 def _move_control_successors(old: HloInstruction, new: Sequence[HloInstruction]) -> None:
     """Make whatever had to wait for `old` wait for all of `new` instead."""
-    for instr in old.parent.instructions:
-        if old in instr.control_predecessors:
-            kept = tuple(p for p in instr.control_predecessors if p is not old)
-            instr.attrs["control-predecessors"] = kept + tuple(n for n in new if n not in kept)
+    for instr in old.control_successors:
+        kept = tuple(p for p in instr.control_predecessors if p is not old)
+        instr.attrs["control-predecessors"] = kept + tuple(n for n in new if n not in kept)
 
 
 def combine_collectives(members: Sequence[HloInstruction], dimension: int | None = None) -> HloInstruction:
@@ -394,7 +435,7 @@ def combine_collectives(members: Sequence[HloInstruction], dimension: int | None
         created.append(anchor)
         return anchor
 
-    operands, shapes, back_permutations = [], [], []
+    operands, shapes, back_permutations, unused = [], [], [], []
     for member in members:
         for operand, result in zip(member.operands, result_shapes(member)):
             perm = None
@@ -422,13 +463,15 @@ def combine_collectives(members: Sequence[HloInstruction], dimension: int | None
             elements.append(element)
             index += 1
         own_attrs = {key: member.attrs[key] for key in ("sharding", "metadata") if key in member.attrs}
-        replacement = replace_with_elements(member, elements)
+        replacement = replace_with_elements(member, elements, unused)
         if replacement is not None and own_attrs:
             replacement.attrs.update(own_attrs)
-    ordering = {p for instr in comp.instructions for p in instr.control_predecessors}
-    for instr in reversed(created):  # elements of tuple members that nothing reads
-        if not instr.users and not instr.is_root and instr is not combined and instr not in ordering:
-            comp.remove_instruction(instr)
+    unread = {}
+    for instr in reversed(created):  # elements of tuple members that nothing reads (users first)
+        if (all(user in unread for user in instr.users) and not instr.is_root and instr is not combined
+                and not instr.control_successors):
+            unread[instr] = None
+    comp.remove_instructions([*unused, *unread])  # one pass over the instruction list
     return combined
 
 

@@ -233,8 +233,12 @@ def format_table(results: dict) -> str:
               "forward and backward pass. Temp: XLA's temporary buffers of the compiled step. Donated: outputs "
               "that reuse the donated parameters' and optimizer state's buffers. Step time: median of the timed "
               "steps, the runs' steps interleaved.",
-              "",
-              format_spatial(results["spatial"]),
+              ""]
+    if plain["aliased_bytes"] and any(not run["aliased_bytes"] for run in runs.values()):
+        lines += ["Donated 0 MB: XLA of jaxlib 0.10.2 drops the donation (input/output aliasing) of every "
+                  "module a pass hook hands back (fixed upstream in openxla/xla, UpdateHloModuleFromProto); "
+                  "see docs/weight_update_sharding.md#buffer-donation.", ""]
+    lines += [format_spatial(results["spatial"]),
               f"Modules before and after each pass: {results['dumps']}",
               f"What the passes did (hlo-tools report): {results['report']}"]
     return "\n".join(lines)

@@ -10,12 +10,18 @@ XLA hands the module of every compile to a hook registered with
 by default: the per-device module after SPMD partitioning and fusion). The hook
 turns the serialized `HloModuleProto` into text, runs the pipeline on the
 `hlo_tools` IR, and hands XLA the new module, or nothing when no pass changed
-it. A module in which no pass of the pipeline finds what it acts on (see
-`HloPass.opcodes`: e.g. fewer than two all-reduces for a combiner) is handed
-back at once, unparsed, unless dumps are asked for. The installed JAX plugin
-(`xla_passes.jax_plugin`) switches passes on from the `XLA_PASSES` environment
-variable (or `--xla_passes`, see `xla_passes.flags`) when JAX starts its
-backends.
+it. The IR parses the entry computation at once and every other computation
+(fusion bodies, mostly) only when a pass or the verifier reads it
+(`hlo_tools.parse_module(..., lazy_bodies=True)`). When the passes changed
+only instructions of the entry computation, XLA gets its own proto back with
+just those instructions replaced (`hlo_tools.proto_patch`), so that it parses
+the edits rather than the whole module; otherwise it gets the whole module
+printed, unread bodies as the text XLA printed. A module in which no pass of
+the pipeline finds what it acts on (see `HloPass.opcodes`: e.g. fewer than two
+all-reduces for a combiner) is handed back at once, unparsed, unless dumps are
+asked for. The installed JAX plugin (`xla_passes.jax_plugin`) switches passes
+on from the `XLA_PASSES` environment variable (or `--xla_passes`, see
+`xla_passes.flags`) when JAX starts its backends.
 
 Failures never break a user's compile: a pass that fails is logged as one
 warning on the "xla_passes" logger and XLA compiles the original module, unless
@@ -39,7 +45,7 @@ import time
 from collections.abc import Sequence
 
 import hlo_tools
-from hlo_tools import xla_bridge
+from hlo_tools import proto_patch, xla_bridge
 from hlo_tools.parser import garbage_collection_paused
 
 from .configuration import (ALL_PLATFORMS, PRE_SCHEDULER, STRICT_VARIABLE, ConfigurationError, Settings,
@@ -231,7 +237,8 @@ def rewrite_module(module_proto: bytes, settings: Settings) -> bytes | None:
                         _proto_module_name(module_proto), 1e3 * (time.perf_counter() - start))
             return None
         with garbage_collection_paused():  # the IR becomes garbage only once the hook returns
-            module = hlo_tools.parse_module(xla_bridge.proto_to_text(module_proto))
+            # Bodies other than the entry's (mostly fusions, which few passes read) are parsed when read.
+            module = hlo_tools.parse_module(xla_bridge.proto_to_text(module_proto), lazy_bodies=True)
             name = module.name
             signature = _entry_signature(module)
             changed = pipeline.run(module)
@@ -239,7 +246,10 @@ def rewrite_module(module_proto: bytes, settings: Settings) -> bytes | None:
                 raise PassError("the passes changed the entry computation's parameter or result shapes, which "
                                 "XLA fixed before calling the hook (e.g. weight-update-sharding{persistent=true}, "
                                 "which applies to offline modules only)")
-            result = xla_bridge.text_to_proto(module.to_text()) if changed else None
+            result = None
+            if changed:  # XLA re-parses only the entry's edits when nothing else changed
+                result = (proto_patch.patched_module_proto(module_proto, module, xla_bridge.text_to_proto)
+                          or xla_bridge.text_to_proto(module.to_text()))
     except Exception as exc:
         if settings.strict:
             raise

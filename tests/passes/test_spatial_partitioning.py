@@ -5,8 +5,9 @@ training step) for one device at test time, runs the pass, and runs both modules
 the runner on the same global inputs: the original on 1 device, the rewritten one on 4
 partitions (the runner splits the inputs as the `sharding=` annotations say and assembles
 the outputs). Inputs are standard-normal floats: integer inputs make max-pooling windows
-with equal maxima, where XLA's choice of the selected element is its own business.
-`spatial_partitioning.hlo` has the FileCheck tests of the halo arithmetic.
+with equal maxima, where XLA's choice of the selected element depends on the array's shape
+(test_max_pool_gradient_ties). `spatial_partitioning.hlo` and
+`spatial_partitioning_unaligned.hlo` have the FileCheck tests of the halo arithmetic.
 """
 import math
 import random
@@ -19,7 +20,8 @@ import pytest
 import hlo_tools
 import xla_passes
 from hlo_tools import runner
-from xla_passes.spatial.windows import aligned_output_rows, plan_select_and_scatter, plan_window
+from xla_passes.spatial.windows import (RowRange, aligned_output_rows, plan_row_fetch, plan_select_and_scatter,
+                                        plan_window, scatter_row_ranges, window_row_range)
 
 BOUNDS = {"abs_error_bound": 1e-4, "rel_error_bound": 1e-3}
 NHWC = ("NHWC", "HWIO", "NHWC")
@@ -119,6 +121,48 @@ def test_plan_select_and_scatter_covers_every_window_touching_the_slab():
     assert plan_select_and_scatter(operand_rows=5, source_rows=2, window=3, stride=2, padding_low=0) is None
 
 
+def test_plan_row_fetch_matches_a_direct_simulation():
+    """Each device's exchanged, padded and dynamic-sliced rows are the global rows it asked
+    for, and every one inside the array really arrived (from its own slab or a neighbour's)."""
+    rng = random.Random(1)
+    for _ in range(300):
+        devices, size = rng.choice([2, 3, 4, 8]), rng.randint(2, 30)
+        local = -(-size // devices)
+        count = rng.randint(1, 12)
+        starts = tuple(sorted(rng.randint(-4, size + 2) for _ in range(devices)))
+        fetch = plan_row_fetch(RowRange(starts, count), local, size)
+        for c in range(devices):
+            first = c * local - fetch.low - fetch.pad_low
+            extent = fetch.pad_low + fetch.low + local + fetch.high + fetch.pad_high
+            assert 0 <= fetch.offsets[c] and fetch.offsets[c] + count <= extent, (c, fetch)
+            for k in range(count):
+                row = first + fetch.offsets[c] + k
+                assert row == starts[c] + k
+                if 0 <= row < size:   # inside the array: exchanged or own, not local padding
+                    assert c * local - fetch.low <= row < (c + 1) * local + fetch.high, (c, row, fetch)
+
+
+def test_unaligned_ranges_cover_the_windows():
+    """window_row_range: device c's rows are exactly what its output rows read; scatter_row_ranges:
+    every window touching the device's operand rows, and every row those windows cover."""
+    for out_rows, stride, dilation, window, pad in [(2, 2, 1, 3, 0), (3, 2, 1, 2, 0), (3, 1, 2, 3, 2), (2, 3, 1, 3, 1)]:
+        rows = window_row_range(parts=4, out_rows=out_rows, padding_low=pad, stride=stride,
+                                window_dilation=dilation, window=window)
+        for c, start in enumerate(rows.starts):
+            outputs = range(c * out_rows, (c + 1) * out_rows)
+            read = {o * stride + j * dilation - pad for o in outputs for j in range(window)}
+            assert min(read) == start and max(read) == start + rows.count - 1
+    for local, window, stride, pad in [(3, 2, 2, 0), (5, 3, 2, 0), (3, 3, 2, 1), (5, 2, 3, 0)]:
+        source, operand = scatter_row_ranges(parts=4, operand_rows=local, window=window, stride=stride,
+                                             padding_low=pad)
+        for c in range(4):
+            touching = [o for o in range(-10, 40) if o * stride - pad <= (c + 1) * local - 1
+                        and o * stride - pad + window - 1 >= c * local]
+            assert source.starts[c] == min(touching) and max(touching) < source.starts[c] + source.count
+            assert operand.starts[c] == source.starts[c] * stride - pad
+            assert operand.count == (source.count - 1) * stride + window
+
+
 # --- JAX programs ------------------------------------------------------------------------------------
 
 FORWARD = {
@@ -196,9 +240,44 @@ def test_jax_training_step_uneven():
     assert x.shape.dims == (2, 5, 18, 3)
     assert x.attrs["frontend_attributes"].get("global_shape") == "f32[2,18,18,3]"
     assert any("the last holds 3" in line for line in report)
+    gathers = [line for line in report if " all-gather " in line]
+    assert len(gathers) == 1 and "(reshape)" in gathers[0], gathers   # only the flatten
 
 
-def _conv_chain(depth: int, train: bool):
+UNALIGNED = {
+    "conv_stride2": lambda y, k: _conv(y, k, 2),
+    "max_pool_2x2": lambda y, k: jax.lax.reduce_window(y, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID"),
+    "max_pool_3x3": lambda y, k: jax.lax.reduce_window(y, -jnp.inf, jax.lax.max, (1, 3, 3, 1), (1, 2, 2, 1), "SAME"),
+}
+
+
+@pytest.mark.parametrize("options", ["", "{mesh=2x2}"])
+@pytest.mark.parametrize("height", [10, 18])
+@pytest.mark.parametrize("name", UNALIGNED)
+def test_unaligned_windows_stay_partitioned(name, height, options):
+    """10 or 18 rows over 4 devices (3 or 5 per device; 5 or 9 over a 2x2 mesh) into a
+    stride-2 window: no output slab lines up with an input slab. The forward value and an SGD
+    step's gradients (the input gradient of a stride-2 convolution is lhs-dilated, that of
+    max pooling a select-and-scatter, the kernel gradients windows split with their input)
+    come from halos and per-device dynamic slices, never from an all-gather."""
+    def forward(kernels, x):
+        return UNALIGNED[name](jax.nn.relu(_conv(x, kernels[0])), kernels[1])
+
+    def step(kernels, x):
+        loss, grads = jax.value_and_grad(lambda ks: jnp.mean(forward(ks, x) ** 2))(kernels)
+        return forward(kernels, x), loss, [k - 0.1 * g for k, g in zip(kernels, grads)]
+    kernels = [jnp.zeros((3, 3, 3, 4)), jnp.zeros((3, 3, 4, 4))]
+    text = jax.jit(step).lower(kernels, jnp.zeros((2, height, height, 3))).as_text(dialect="hlo")
+    module, report = _compare(text, f"spatial-partitioning{options}")
+    gathers = [line for line in report if " all-gather " in line]
+    assert len(gathers) == 1 and "at the result" in gathers[0], gathers   # the uneven forward output
+    assert any("per-device offset" in line for line in report)
+    assert _count(module, "dynamic-slice") > 0 and _count(module, "collective-permute") > 0
+    if name != "conv_stride2":
+        assert _count(module, "select-and-scatter") == 1
+
+
+def _conv_chain(depth: int, train: bool, size: int = 32):
     def net(kernels, x):
         for k in kernels:
             x = jax.nn.relu(_conv(x, k))
@@ -208,7 +287,7 @@ def _conv_chain(depth: int, train: bool):
         grads = jax.grad(lambda ks: (net(ks, x) ** 2).mean())(kernels)
         return [k - 0.1 * g for k, g in zip(kernels, grads)]
     kernels = [jnp.zeros((3, 3, 4, 4))] * depth
-    return jax.jit(step if train else net).lower(kernels, jnp.zeros((1, 32, 32, 4))).as_text(dialect="hlo")
+    return jax.jit(step if train else net).lower(kernels, jnp.zeros((1, size, size, 4))).as_text(dialect="hlo")
 
 
 @pytest.mark.parametrize("train", [False, True])
@@ -221,6 +300,98 @@ def test_halo_fusion_exchanges_fewer_halos(train):
         assert _count(plain, "collective-permute") == 8 and _count(fused, "collective-permute") == 2
         assert sum("fused-halo" in line for line in report) == 3
     _compare(text, "spatial-partitioning{halo_fusion=2,mesh=2x2}")
+
+
+def test_halo_fusion_stays_one_hop():
+    """2-row slabs (16 rows over 8 devices): a 3x3 convolution's own halo takes one of the
+    neighbour's rows, so only one more convolution fits in a one-hop exchange, whatever
+    `halo_fusion` asks: 4 convolutions, 2 exchanges of one collective-permute per side."""
+    text = _conv_chain(4, False, size=16)
+    fused, _ = _compare(text, "spatial-partitioning{num_partitions=8,halo_fusion=4}")
+    assert _count(fused, "collective-permute") == 4
+
+
+# --- max-pool gradients with equal maxima -------------------------------------------------------------
+
+TIES = """HloModule ties
+
+ge {
+  a = f32[] parameter(0)
+  b = f32[] parameter(1)
+  ROOT c = pred[] compare(a, b), direction=GE
+}
+
+add {
+  a = f32[] parameter(0)
+  b = f32[] parameter(1)
+  ROOT c = f32[] add(a, b)
+}
+
+ENTRY e {
+  x = f32[1,8,WIDTH,1] parameter(0)
+  k = f32[1,1,1,1] parameter(1)
+  y = f32[1,8,WIDTH,1] convolution(x, k), window={size=1x1}, dim_labels=b01f_01io->b01f
+  s = f32[1,4,4,1] parameter(2)
+  zero = f32[] constant(0)
+  ROOT grad = f32[1,8,WIDTH,1] select-and-scatter(y, s, zero), window={size=1x3x3x1 stride=1x2x2x1 pad=0_0x0_1x0_1x0_0}, select=ge, scatter=add
+}
+"""
+
+
+def _window_choices(grad: np.ndarray, operand: np.ndarray) -> dict:
+    """Window (o, p) of TIES -> the element its source went to, decoded from a gradient whose
+    source values are distinct powers of two; asserts each went to a maximum of its window."""
+    choices = {}
+    height, width = operand.shape[1:3]
+    for (i, j), bits in np.ndenumerate(grad[0, :, :, 0].astype(np.int64)):
+        for window in range(16):
+            if bits >> window & 1:
+                o, p = divmod(window, 4)
+                rows, cols = range(2 * o, min(2 * o + 3, height)), range(2 * p, min(2 * p + 3, width))
+                assert i in rows and j in cols
+                assert operand[0, i, j, 0] == max(operand[0, r, c, 0] for r in rows for c in cols)
+                choices[(o, p)] = (i, j)
+    assert len(choices) == 16
+    return choices
+
+
+def _tie(width: int) -> np.ndarray:
+    operand = np.full((1, 8, width, 1), -1, np.float32)
+    operand[0, 1, 2, 0] = operand[0, 2, 1, 0] = 5          # equal maxima in window (0, 0)
+    return operand
+
+
+SOURCE = (2.0 ** np.arange(16, dtype=np.float32)).reshape(1, 4, 4, 1)
+ONE = np.ones((1, 1, 1, 1), np.float32)
+
+
+def test_xla_breaks_max_pool_ties_by_array_shape():
+    """Why a partitioned max-pool gradient may pick another of equal maxima: XLA's CPU compiler
+    rewrites select-and-scatter into an argmax reduce-window plus a scatter, and that
+    reduce-window's order over a window (StableHLO leaves it to the implementation) depends
+    on the whole padded array. The same window, in arrays 8 and 9 wide, picks different
+    elements; a device's local window sits in an array of another width."""
+    picks = {}
+    for width in (8, 9):
+        text = TIES.replace("WIDTH", str(width))
+        picks[width] = _window_choices(runner.run_module(text, [_tie(width), ONE, SOURCE]).outputs[0], _tie(width))
+    assert picks[8][(0, 0)] == (2, 1) and picks[9][(0, 0)] == (1, 2)
+
+
+@pytest.mark.parametrize("options", ["{split=0:2,num_partitions=2}", "{split=0:1,num_partitions=2}"])
+def test_max_pool_gradient_ties(options):
+    """With equal maxima (integer inputs), split along W or H: each window's source goes to
+    a maximum of that window, on one device and partitioned (not necessarily the same one)."""
+    text = TIES.replace("WIDTH", "8")
+    module, _ = _partition(text, f"spatial-partitioning{options}")
+    ties = np.random.default_rng(0).integers(0, 3, (1, 8, 8, 1)).astype(np.float32)
+    for operand in (_tie(8), ties):
+        result, reference, _ = runner.compare_modules(module.to_text(), text, [operand, ONE, SOURCE])
+        one_device = _window_choices(reference.outputs[0], operand)
+        partitioned = _window_choices(result.outputs[0], operand)
+        unique = [w for w, (i, j) in one_device.items()
+                  if np.sum(operand[0, 2 * w[0]:2 * w[0] + 3, 2 * w[1]:2 * w[1] + 3, 0] == operand[0, i, j, 0]) == 1]
+        assert all(partitioned[w] == one_device[w] for w in unique)
 
 
 # --- TensorFlow ----------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from functools import partial
 
 from hlo_tools import HloModule
 
-from ..collectives import collective_key, combine_along_most_frequent_dimension, run_combiner
+from ..collectives import CombinerScope, collective_key, combine_along_most_frequent_dimension, run_combiner
 from ..core import HloPass, register_pass
 from .all_reduce_combiner import DEFAULT_THRESHOLD_BYTES, DEFAULT_THRESHOLD_COUNT
 
@@ -49,7 +49,8 @@ class AllGatherCombiner(HloPass):
     threshold_count: int = DEFAULT_THRESHOLD_COUNT
     combine_by_dim: bool = True
 
-    def run(self, module: HloModule) -> bool:
+    def run(self, module: HloModule, scope: CombinerScope | None = None) -> bool:
+        """`scope`: `combiner_scope(module)`, when the caller (collective-fusion) has it already."""
         return run_combiner(module, "all-gather", partial(collective_key, by_dimension=self.combine_by_dim),
                             combine_along_most_frequent_dimension, threshold_bytes=self.threshold_bytes,
-                            threshold_count=self.threshold_count)
+                            threshold_count=self.threshold_count, scope=scope)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from hlo_tools import HloModule
 
-from ..collectives import collective_key, combine_collectives, run_combiner
+from ..collectives import CombinerScope, collective_key, combine_collectives, run_combiner
 from ..core import HloPass, register_pass
 
 DEFAULT_THRESHOLD_BYTES = 30 * 1024 * 1024
@@ -44,6 +44,7 @@ class AllReduceCombiner(HloPass):
     threshold_bytes: int = DEFAULT_THRESHOLD_BYTES
     threshold_count: int = DEFAULT_THRESHOLD_COUNT
 
-    def run(self, module: HloModule) -> bool:
+    def run(self, module: HloModule, scope: CombinerScope | None = None) -> bool:
+        """`scope`: `combiner_scope(module)`, when the caller (collective-fusion) has it already."""
         return run_combiner(module, "all-reduce", collective_key, combine_collectives,
-                            threshold_bytes=self.threshold_bytes, threshold_count=self.threshold_count)
+                            threshold_bytes=self.threshold_bytes, threshold_count=self.threshold_count, scope=scope)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from hlo_tools import HloModule
 
+from ..collectives import combiner_scope
 from ..core import HloPass, register_pass
 from .all_gather_combiner import AllGatherCombiner
 from .all_reduce_combiner import DEFAULT_THRESHOLD_BYTES, DEFAULT_THRESHOLD_COUNT, AllReduceCombiner
@@ -37,7 +38,8 @@ class CollectiveFusion(HloPass):
 
     def run(self, module: HloModule) -> bool:
         thresholds = {"threshold_bytes": self.threshold_bytes, "threshold_count": self.threshold_count}
-        changed = AllGatherCombiner(**thresholds, combine_by_dim=self.combine_by_dim).run(module)
-        changed |= AllReduceCombiner(**thresholds).run(module)
-        changed |= ReduceScatterCombiner(**thresholds, combine_by_dim=self.combine_by_dim).run(module)
+        scope = combiner_scope(module)  # the combiners change no fusion or async op: one walk for all three
+        changed = AllGatherCombiner(**thresholds, combine_by_dim=self.combine_by_dim).run(module, scope)
+        changed |= AllReduceCombiner(**thresholds).run(module, scope)
+        changed |= ReduceScatterCombiner(**thresholds, combine_by_dim=self.combine_by_dim).run(module, scope)
         return changed

@@ -26,7 +26,10 @@ sized from their windows (`xla_passes.spatial.windows`); reductions over split d
 and convolutions whose window is split (weight gradients) reduce locally and all-reduce;
 anything else (a flatten into a dense layer, a slice across the split) all-gathers its
 operand first, and the report says where and why. Uneven splits pad the last slab and mask
-it; `halo_fusion=k` exchanges a k-convolution-deep halo once and recomputes the overlap.
+it; windows whose output slabs do not line up with the input slabs (10 rows over 4 devices
+into a stride-2 window) fetch the widest halo any device needs and dynamic-slice each
+device's rows at an offset from a partition-id table, as GSPMD does; `halo_fusion=k`
+exchanges a k-convolution-deep halo once and recomputes the overlap.
 docs/spatial_partitioning.md has the options, the report and the limits.
 """
 from __future__ import annotations
@@ -42,10 +45,12 @@ from hlo_tools.attributes import FrontendAttributes, Sharding
 from hlo_tools.opcodes import ELEMENTWISE
 from hlo_tools.shape import FLOAT_DTYPES
 
+from ..collectives import reducer_opcode
 from ..core import HloPass, register_pass
 from ..spatial.builder import SlabBuilder
 from ..spatial.layout import REPLICATED, Layout, Mesh, Split, local_dims, slab_rows, split_of
-from ..spatial.windows import aligned_output_rows, needed_rows, plan_select_and_scatter, plan_window
+from ..spatial.windows import (RowRange, aligned_output_rows, needed_rows, plan_row_fetch, plan_select_and_scatter,
+                               plan_window, scatter_row_ranges, window_row_range)
 from .call_inliner import CallInliner
 
 logger = logging.getLogger("xla_passes")
@@ -152,6 +157,16 @@ class SpatialPartitioning(HloPass):
 
 class _Gather(Exception):
     """An instruction that cannot stay partitioned; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Unaligned:
+    """A split dimension of a windowed op's operand whose output slabs do not line up with
+    the input slabs: each device reads `rows` of the input (dilated by `base_dilation`, which
+    the device then applies itself) and runs the window without padding."""
+
+    rows: RowRange
+    base_dilation: int = 1
 
 
 class _Partitioner:
@@ -286,7 +301,7 @@ class _Partitioner:
                 items + (("global_shape", shape.without_layout().to_text()),))
         self.note("split", instr, ", ".join(
             f"dimension {s.dim} ({s.size} rows) over {self.mesh.axes[s.axis]} devices, {s.local} per device"
-            + (f" (the last holds {s.size - s.local * (self.mesh.axes[s.axis] - 1)})"
+            + (f" (the last holds {max(s.size - s.local * (self.mesh.axes[s.axis] - 1), 0)})"
                if s.local * self.mesh.axes[s.axis] != s.size else "")
             for s in layout))
         return instr, layout
@@ -438,7 +453,7 @@ class _Partitioner:
         reduced = instr.attrs["dimensions"]
         across = [s for s in layout if s.dim in reduced]
         reducer = instr.attrs["to_apply"]
-        if across and _reducer_opcode(reducer) not in _COMBINABLE_REDUCERS:
+        if across and reducer_opcode(reducer) not in _COMBINABLE_REDUCERS:
             raise _Gather("its reducer does not combine partial results")
         want = tuple(s.slab() if s.dim in reduced else s for s in layout)
         value = self.local(data, want)
@@ -450,7 +465,7 @@ class _Partitioner:
         new = self.clone(instr, [value, init_value], instr.shape.with_dims(local_dims(instr.shape.dims, out_layout)))
         if across:
             new = self.b.all_reduce(new, [s.axis for s in across], reducer)
-            self.note("all-reduce", instr, f"partial {_reducer_opcode(reducer)} over split dimension(s) "
+            self.note("all-reduce", instr, f"partial {reducer_opcode(reducer)} over split dimension(s) "
                       f"{', '.join(str(s.dim) for s in across)}")
         return new, out_layout
 
@@ -463,10 +478,15 @@ class _Partitioner:
         """The operand `old` with `halos[dim] = (rows before, rows after)` its slab along each
         split dimension (exchanged, or the ghost rows it has), rows outside the array set to `pad`."""
         new, layout = self.values[old]
-        mask = []
+        mask, unaligned_rows, slice_starts = [], [], {}
         for split in layout:
             if split.dim not in halos:
                 raise _Gather(f"operand %{old.name} is split along dimension {split.dim}, outside the window")
+            if isinstance(halos[split.dim], _Unaligned):
+                new, start, first_row, size = self.fetch_rows(old, instr, new, split, halos[split.dim], pad)
+                slice_starts[split.dim] = (start, halos[split.dim].rows.count)
+                unaligned_rows.append((split.dim, first_row, size))
+                continue
             low, high = halos[split.dim]
             if (low or high) and split.low >= low and split.high >= high:
                 wanted = split.with_ghosts(low, high)
@@ -486,20 +506,58 @@ class _Partitioner:
             if max(low, high) > split.local * (self.mesh.axes[split.axis] - 1):
                 raise _Gather(f"its halo ({low}+{high} rows) is wider than the other devices' rows")
             if low or high:
-                key = (new, split.dim, low, high)
-                if key not in self._exchanged:
-                    before = self.b.collective_permutes
-                    self._exchanged[key] = self.b.exchange(new, split.slab(), low, high)
-                    self.note("halo", instr, f"{low}+{high} rows of %{old.name} along dimension {split.dim} "
-                              f"({self.b.collective_permutes - before} collective-permutes)")
-                new = self._exchanged[key]
+                new = self.exchanged(old, instr, new, split, low, high)
             if self.uneven(split) or (not pad_is_zero and (low or high)):
                 mask.append(split.with_ghosts(low, high))
-        return self.b.mask(new, mask, pad)
+        if slice_starts:
+            zero = self.b.constant(0)
+            starts = [slice_starts[d][0] if d in slice_starts else zero for d in range(new.shape.rank)]
+            sizes = tuple(slice_starts[d][1] if d in slice_starts else n for d, n in enumerate(new.shape.dims))
+            new = self.b.add("dynamic-slice", [new, *starts], new.shape.with_dims(sizes), dynamic_slice_sizes=sizes)
+        new = self.b.mask(new, mask, pad)
+        return self.b.mask_rows(new, unaligned_rows, pad)
+
+    def exchanged(self, old: HloInstruction, instr: HloInstruction, slab: HloInstruction, split: Split,
+                  low: int, high: int, detail: str = "") -> HloInstruction:
+        """`slab` with `low`/`high` rows of its neighbours along `split` (one exchange per value and width)."""
+        key = (slab, split.dim, low, high)
+        if key not in self._exchanged:
+            before = self.b.collective_permutes
+            self._exchanged[key] = self.b.exchange(slab, split.slab(), low, high)
+            self.note("halo", instr, f"{low}+{high} rows of %{old.name} along dimension {split.dim}{detail} "
+                      f"({self.b.collective_permutes - before} collective-permutes)")
+        return self._exchanged[key]
+
+    def fetch_rows(self, old: HloInstruction, instr: HloInstruction, value: HloInstruction, split: Split,
+                   unaligned: _Unaligned, pad: HloInstruction):
+        """Along an unaligned `split`: `value` (the device's slab, dilated here if the window
+        dilates its base) with the widest halo any device needs and local padding, plus the
+        device's dynamic-slice start into it, the global index of its first row and the
+        dilated size (the rows outside [0, size) are masked to `pad` after the slice)."""
+        value = self.trim(value, (split,), (split.slab(),))
+        ld = unaligned.base_dilation
+        rows = split.slab()
+        if ld > 1:
+            value = self.b.pad_dim(value, split.dim, 0, ld - 1, pad, interior=ld - 1)
+            rows = Split(split.dim, split.axis, (split.size - 1) * ld + 1, split.local * ld)
+        fetch = plan_row_fetch(unaligned.rows, rows.local, rows.size)
+        if fetch.low or fetch.high:
+            value = self.exchanged(old, instr, value, rows, fetch.low, fetch.high,
+                                   (f" (dilated {ld}x)" if ld > 1 else "")
+                                   + f", then {unaligned.rows.count} rows at a per-device offset")
+        else:
+            self.note("halo", instr, f"0+0 rows of %{old.name} along dimension {split.dim}, "
+                      f"then {unaligned.rows.count} rows at a per-device offset")
+        if fetch.pad_low or fetch.pad_high:
+            value = self.b.pad_dim(value, split.dim, fetch.pad_low, fetch.pad_high, pad)
+        start = self.b.coordinate_table(fetch.offsets, split.axis)
+        first_row = self.b.coordinate_table(unaligned.rows.starts, split.axis)
+        return value, start, first_row, rows.size
 
     def window_plans(self, instr: HloInstruction, operand: HloInstruction, window, dims_map, out_dims,
                      fusable: bool) -> dict:
-        """dim -> (output split, WindowPlan) for each split dimension of a windowed op's operand.
+        """dim -> (output split, WindowPlan or _Unaligned) for each split dimension of a windowed
+        op's operand.
 
         `dims_map[d]` is the window dimension of operand dimension d; `out_dims[d]` the output
         dimension it becomes."""
@@ -508,14 +566,21 @@ class _Partitioner:
             if split.dim not in dims_map:
                 raise _Gather(f"operand dimension {split.dim} is split but not windowed")
             wd = window.dimensions[dims_map[split.dim]]
-            out_rows = aligned_output_rows(split.local, wd.base_dilation, wd.stride)
+            parts = self.mesh.axes[split.axis]
             out_dim = out_dims[split.dim]
             out_size = instr.shape.dims[out_dim]
-            if out_rows is None or out_rows * self.mesh.axes[split.axis] < out_size:
-                raise _Gather(f"its output rows do not line up with the input slabs along dimension {split.dim}")
+            # Outputs are always split evenly (ceil(size/parts) rows per device), so that they
+            # combine with any other value split along the same dimension.
+            out_rows = slab_rows(out_size, parts)
             geometry = dict(in_rows=split.local, padding_low=wd.padding_low, base_dilation=wd.base_dilation,
                             stride=wd.stride, window_dilation=wd.window_dilation, window=wd.size, out_rows=out_rows)
             need_low, need_high = needed_rows(**geometry)
+            if (aligned_output_rows(split.local, wd.base_dilation, wd.stride) != out_rows
+                    or max(need_low, need_high) > split.local * (parts - 1)):   # or beyond the neighbours
+                rows = window_row_range(parts=parts, out_rows=out_rows, padding_low=wd.padding_low,
+                                        stride=wd.stride, window_dilation=wd.window_dilation, window=wd.size)
+                plans[split.dim] = (Split(out_dim, split.axis, out_size, out_rows), _Unaligned(rows, wd.base_dilation))
+                continue
             unit = fusable and wd.stride == 1 and wd.base_dilation == 1
             if unit and (split.low or split.high) and split.low >= need_low and split.high >= need_high:
                 plan = plan_window(**geometry, have_low=split.low, have_high=split.high,
@@ -523,15 +588,16 @@ class _Partitioner:
                 self.note("fused-halo", instr, f"uses ghost rows {split.low}+{split.high} of "
                           f"%{operand.name} along dimension {split.dim}: no exchange")
             else:
-                extra_low, extra_high = self.fusion_depth(instr, out_dim, out_rows) if unit else (0, 0)
+                extra_low, extra_high = (self.fusion_depth(instr, out_dim, split.local - max(need_low, 0),
+                                                           split.local - max(need_high, 0)) if unit else (0, 0))
                 plan = plan_window(**geometry, out_low=extra_low, out_high=extra_high)
             plans[split.dim] = (Split(out_dim, split.axis, out_size, out_rows, plan.out_low, plan.out_high), plan)
         return plans
 
-    def fusion_depth(self, conv: HloInstruction, out_dim: int, out_rows: int) -> tuple[int, int]:
+    def fusion_depth(self, conv: HloInstruction, out_dim: int, room_low: int, room_high: int) -> tuple[int, int]:
         """Ghost rows `conv` should compute so that the next `halo_fusion - 1` stride-1
         convolutions fed (through elementwise ops) by its output need no exchange; at most
-        what one hop from each neighbour brings."""
+        `room_low`/`room_high`, what one hop from each neighbour brings beyond `conv`'s own halo."""
         low = high = 0
         current, dim = conv, out_dim
         for _ in range(self.owner.halo_fusion - 1):
@@ -547,7 +613,7 @@ class _Partitioner:
                 break
             need_low, need_high = needed_rows(in_rows=1, padding_low=wd.padding_low, base_dilation=1, stride=1,
                                               window_dilation=wd.window_dilation, window=wd.size, out_rows=1)
-            if low + max(need_low, 0) > out_rows or high + max(need_high, 0) > out_rows:
+            if low + max(need_low, 0) > room_low or high + max(need_high, 0) > room_high:
                 break
             low += max(need_low, 0)
             high += max(need_high, 0)
@@ -574,8 +640,7 @@ class _Partitioner:
                                       {d: dn.output_spatial[i] for d, i in spatial.items()}, fusable=True)
             dims = list(window.dimensions)
             for d, (_, plan) in plans.items():
-                dims[spatial[d]] = dataclasses.replace(dims[spatial[d]], padding_low=plan.padding_low,
-                                                       padding_high=plan.padding_high)
+                dims[spatial[d]] = _local_window_dimension(dims[spatial[d]], plan)
             value = self.halo_input(lhs, instr, _halos(plans), self.b.constant(0, lhs.shape.dtype), True)
             layout = tuple(sorted((out for out, _ in plans.values()), key=lambda s: s.dim))
             new = self.clone(instr, [value, self.values[rhs][0]],
@@ -599,14 +664,21 @@ class _Partitioner:
             wd = window.dimensions[index]
             if wd.window_reversal:
                 raise _Gather("a reversed window dimension is split")
-            if kernel_split.local * wd.window_dilation != split.local * wd.base_dilation:
-                raise _Gather(f"the kernel rows do not line up with the input slabs along dimension {split.dim}")
-            plan = plan_window(in_rows=split.local, padding_low=wd.padding_low, base_dilation=wd.base_dilation,
-                               stride=wd.stride, window_dilation=wd.window_dilation, window=kernel_split.local,
-                               out_rows=instr.shape.dims[dn.output_spatial[index]])
+            out_rows = instr.shape.dims[dn.output_spatial[index]]
+            plan = None
+            if kernel_split.local * wd.window_dilation == split.local * wd.base_dilation:
+                plan = plan_window(in_rows=split.local, padding_low=wd.padding_low, base_dilation=wd.base_dilation,
+                                   stride=wd.stride, window_dilation=wd.window_dilation, window=kernel_split.local,
+                                   out_rows=out_rows)
+            if plan is None or max(plan.have_low, plan.have_high) > split.local * (self.mesh.axes[split.axis] - 1):
+                # The window rows do not line up with the input slabs: each device reads the
+                # rows its window rows meet (the roles of stride and window dilation swap).
+                rows = window_row_range(parts=self.mesh.axes[split.axis], out_rows=kernel_split.local,
+                                        padding_low=wd.padding_low, stride=wd.window_dilation,
+                                        window_dilation=wd.stride, window=out_rows)
+                plan = _Unaligned(rows, wd.base_dilation)
             plans[split.dim] = (None, plan)
-            dims[index] = dataclasses.replace(wd, size=kernel_split.local, padding_low=plan.padding_low,
-                                              padding_high=plan.padding_high)
+            dims[index] = dataclasses.replace(_local_window_dimension(wd, plan), size=kernel_split.local)
             kernel_layout.append(kernel_split.slab())
         zero = self.b.constant(0, lhs.shape.dtype)
         value = self.halo_input(lhs, instr, _halos(plans), zero, True)
@@ -631,7 +703,7 @@ class _Partitioner:
         zero = init.opcode == "constant" and not np.any(init.literal.to_numpy())
         dims = list(window.dimensions)
         for d, (_, plan) in plans.items():
-            dims[d] = dataclasses.replace(dims[d], padding_low=plan.padding_low, padding_high=plan.padding_high)
+            dims[d] = _local_window_dimension(dims[d], plan)
         value = self.halo_input(data, instr, _halos(plans), init_value, zero)
         layout = tuple(sorted((out for out, _ in plans.values()), key=lambda s: s.dim))
         new = self.clone(instr, [value, init_value], instr.shape.with_dims(local_dims(instr.shape.dims, layout)),
@@ -643,7 +715,7 @@ class _Partitioner:
         window = instr.attrs["window"]
         select_root = instr.attrs["select"].root
         direction = select_root.attrs.get("direction") if select_root.opcode == "compare" else None
-        if direction not in _MAX_SELECT or _reducer_opcode(instr.attrs["scatter"]) != "add":
+        if direction not in _MAX_SELECT or reducer_opcode(instr.attrs["scatter"]) != "add":
             raise _Gather("only max/min selection with an adding scatter is partitioned")
         operand_layout = self.values[operand][1]
         source_layout = self.values[source][1]
@@ -653,12 +725,22 @@ class _Partitioner:
         operand_halos, source_halos = {}, {}
         for split, source_split in zip(operand_layout, source_layout):
             wd = window.dimensions[split.dim]
+            if source_split.axis != split.axis:
+                raise _Gather("the operand and the source are split over different mesh axes")
             plan = plan_select_and_scatter(operand_rows=split.local, source_rows=source_split.local,
                                            window=wd.size, stride=wd.stride, padding_low=wd.padding_low)
-            if plan is None or source_split.axis != split.axis:
-                raise _Gather(f"its windows do not line up with the slabs along dimension {split.dim}")
-            operand_halos[split.dim] = (plan.operand_low, plan.operand_high)
-            source_halos[split.dim] = (plan.source_low, plan.source_high)
+            parts = self.mesh.axes[split.axis]
+            if (plan is None or max(plan.operand_low, plan.operand_high) > split.local * (parts - 1)
+                    or max(plan.source_low, plan.source_high) > source_split.local * (parts - 1)):
+                # Windows that do not line up with the slabs: every device fetches the windows
+                # touching its rows (GSPMD's windowed-input resharding) and keeps its own rows.
+                source_rows, operand_rows = scatter_row_ranges(parts=parts, operand_rows=split.local,
+                                                               window=wd.size, stride=wd.stride,
+                                                               padding_low=wd.padding_low)
+                operand_halos[split.dim], source_halos[split.dim] = _Unaligned(operand_rows), _Unaligned(source_rows)
+            else:
+                operand_halos[split.dim] = (plan.operand_low, plan.operand_high)
+                source_halos[split.dim] = (plan.source_low, plan.source_high)
             dims[split.dim] = dataclasses.replace(wd, padding_low=0, padding_high=0)
         fill = self.b.constant(_MAX_SELECT[direction], operand.shape.dtype)
         operand_value = self.halo_input(operand, instr, operand_halos, fill, False)
@@ -667,10 +749,29 @@ class _Partitioner:
         scattered = self.clone(instr, [operand_value, source_value, init_value], operand_value.shape,
                                window=type(window)(tuple(dims)))
         slabs = tuple(s.slab() for s in operand_layout)
+        zero = self.b.constant(0, scattered.shape.dtype)
         for split in slabs:
-            low = operand_halos[split.dim][0]
-            scattered = self.b.slice_dim(scattered, split.dim, low, low + split.local)
+            halo = operand_halos[split.dim]
+            if isinstance(halo, _Unaligned):
+                scattered = self.own_rows(scattered, split, halo.rows, zero)
+            else:
+                scattered = self.b.slice_dim(scattered, split.dim, halo[0], halo[0] + split.local)
         return scattered, slabs
+
+    def own_rows(self, value: HloInstruction, split: Split, rows: RowRange, zero: HloInstruction) -> HloInstruction:
+        """The device's slab along `split` out of `value`, which holds global rows
+        `rows.starts[c]...` (rows it lacks, which no window touched, are zero)."""
+        starts = [c * split.local - start for c, start in enumerate(rows.starts)]
+        pad_low = max([0] + [-s for s in starts])
+        pad_high = max([0] + [s + split.local - rows.count for s in starts])
+        if pad_low or pad_high:
+            value = self.b.pad_dim(value, split.dim, pad_low, pad_high, zero)
+        start = self.b.coordinate_table([s + pad_low for s in starts], split.axis)
+        zero_index = self.b.constant(0)
+        sizes = tuple(split.local if d == split.dim else n for d, n in enumerate(value.shape.dims))
+        return self.b.add("dynamic-slice", [value, *(start if d == split.dim else zero_index
+                                                      for d in range(value.shape.rank))],
+                          value.shape.with_dims(sizes), dynamic_slice_sizes=sizes)
 
 
 def _fold_padded_select_and_scatter(comp) -> None:
@@ -707,18 +808,17 @@ def _fold_padded_select_and_scatter(comp) -> None:
 
 
 def _halos(plans: dict) -> dict:
-    """dim -> (rows before, rows after) of each (output split, WindowPlan)."""
-    return {dim: (plan.have_low, plan.have_high) for dim, (_, plan) in plans.items()}
+    """dim -> (rows before, rows after) of each (output split, WindowPlan), or its _Unaligned."""
+    return {dim: plan if isinstance(plan, _Unaligned) else (plan.have_low, plan.have_high)
+            for dim, (_, plan) in plans.items()}
 
 
-def _reducer_opcode(reducer) -> str | None:
-    """`add` for `ROOT add(p0, p1)` over two scalar parameters, and so on; None otherwise."""
-    root = reducer.root
-    if reducer.num_parameters != 2 or root.operand_count != 2:
-        return None
-    if {o.opcode for o in root.operands} != {"parameter"} or root.operand(0) is root.operand(1):
-        return None
-    return root.opcode
+def _local_window_dimension(wd, plan):
+    """The window dimension a device runs: shifted padding (aligned), or none over exactly
+    the rows it fetched, whose base it dilated itself (unaligned)."""
+    if isinstance(plan, _Unaligned):
+        return dataclasses.replace(wd, padding_low=0, padding_high=0, base_dilation=1)
+    return dataclasses.replace(wd, padding_low=plan.padding_low, padding_high=plan.padding_high)
 
 
 def _reachable_from(sources, order) -> set:

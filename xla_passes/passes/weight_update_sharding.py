@@ -58,6 +58,7 @@ from hlo_tools.opcodes import ELEMENTWISE, has_side_effect
 from hlo_tools.shape import FLOAT_DTYPES
 from hlo_tools.shape_inference import infer_shape
 
+from ..collectives import reducer_opcode
 from ..core import HloPass, register_pass
 from ..replica_groups import DeviceCounts
 from ..replication_analysis import REPLICA_IDS, ReplicationAnalysis, participants
@@ -157,17 +158,7 @@ def _is_sum_all_reduce(instr: HloInstruction) -> bool:
     if instr.opcode != "all-reduce":
         return False
     reducer = instr.attrs.get("to_apply")
-    return reducer is not None and _reducer_opcode(reducer) == "add"
-
-
-def _reducer_opcode(reducer: HloComputation) -> str | None:
-    """`add` for `ROOT add(p0, p1)` over two scalar parameters, and so on; None otherwise."""
-    root = reducer.root
-    if reducer.num_parameters != 2 or root.operand_count != 2:
-        return None
-    if {o.opcode for o in root.operands} != {"parameter"} or root.operand(0) is root.operand(1):
-        return None
-    return root.opcode
+    return reducer is not None and reducer_opcode(reducer) == "add"
 
 
 def _group_key(all_reduce: HloInstruction):
@@ -945,7 +936,7 @@ def _full_reduction_of(user: HloInstruction, member: HloInstruction) -> bool:
         return False
     if tuple(sorted(user.attrs.get("dimensions", ()))) != tuple(range(member.shape.rank)):
         return False
-    opcode = _reducer_opcode(user.attrs["to_apply"])
+    opcode = reducer_opcode(user.attrs["to_apply"])
     if opcode not in _REDUCER_IDENTITY:
         return False
     value = _constant_value(user.operand(1))

@@ -26,6 +26,7 @@ class SlabBuilder:
         self.mesh = mesh
         self.channel_ids = ChannelIds(module)
         self._coordinates: dict[int, HloInstruction] = {}
+        self._partition_index: HloInstruction | None = None
         self._reducers: dict[tuple[str, str], HloComputation] = {}
         self.collective_permutes = 0
 
@@ -47,8 +48,7 @@ class SlabBuilder:
     def coordinate(self, axis: int) -> HloInstruction:
         """The device's coordinate along `axis`, an s32 scalar."""
         if axis not in self._coordinates:
-            pid = self.add("partition-id", shape=Shape.array("u32", ()))
-            value = self.add("convert", [pid], Shape.array("s32", ()))
+            value = self.partition_index()
             stride = self.mesh.stride(axis)
             if stride > 1:
                 value = self.add("divide", [value, self.constant(stride)])
@@ -64,16 +64,41 @@ class SlabBuilder:
             start = self.add("subtract", [start, self.constant(split.low)])
         return start
 
+    def partition_index(self) -> HloInstruction:
+        """The device's partition-id as an s32 scalar."""
+        if self._partition_index is None:
+            pid = self.add("partition-id", shape=Shape.array("u32", ()))
+            self._partition_index = self.add("convert", [pid], Shape.array("s32", ()))
+        return self._partition_index
+
+    def partition_table(self, values) -> HloInstruction:
+        """An s32 scalar: `values[partition-id]`, read from a constant table (as GSPMD does
+        for offsets that are not affine in the device's coordinate)."""
+        if len(set(values)) == 1:
+            return self.constant(values[0])
+        entry = self.add("dynamic-slice", [self.constant(list(values)), self.partition_index()],
+                         Shape.array("s32", (1,)), dynamic_slice_sizes=(1,))
+        return self.add("reshape", [entry], Shape.array("s32", ()))
+
+    def coordinate_table(self, values, axis: int) -> HloInstruction:
+        """An s32 scalar: `values[c]` for the device's coordinate c along `axis`."""
+        return self.partition_table([values[self.mesh.coordinate(d, axis)] for d in range(self.mesh.size)])
+
     def mask(self, value: HloInstruction, splits, pad: HloInstruction) -> HloInstruction:
         """`value` with the rows outside the global array (per split) replaced by scalar `pad`."""
+        return self.mask_rows(value, [(s.dim, self.first_row(s), s.size) for s in splits], pad)
+
+    def mask_rows(self, value: HloInstruction, ranges, pad: HloInstruction) -> HloInstruction:
+        """`value` with rows outside [0, size) replaced by scalar `pad`, per (dim, global index
+        of the first local row (an s32 scalar), size) in `ranges`."""
         dims = value.shape.dims
         valid = None
-        for split in splits:
+        for dim, first_row, size in ranges:
             index_shape = Shape.array("s32", dims)
-            rows = self.add("iota", [], index_shape, iota_dimension=split.dim)
-            rows = self.add("add", [rows, self.broadcast(self.first_row(split), dims)])
+            rows = self.add("iota", [], index_shape, iota_dimension=dim)
+            rows = self.add("add", [rows, self.broadcast(first_row, dims)])
             low = self.add("compare", [rows, self.broadcast(self.constant(0), dims)], direction="GE")
-            high = self.add("compare", [rows, self.broadcast(self.constant(split.size), dims)],
+            high = self.add("compare", [rows, self.broadcast(self.constant(size), dims)],
                             direction="LT")
             inside = self.add("and", [low, high])
             valid = inside if valid is None else self.add("and", [valid, inside])
@@ -87,8 +112,9 @@ class SlabBuilder:
                                for d, n in enumerate(value.shape.dims)))
         return self.add("slice", [value], slice=spec)
 
-    def pad_dim(self, value: HloInstruction, dim: int, low: int, high: int, pad: HloInstruction) -> HloInstruction:
-        config = PaddingConfig(tuple((low, high, 0) if d == dim else (0, 0, 0)
+    def pad_dim(self, value: HloInstruction, dim: int, low: int, high: int, pad: HloInstruction,
+                interior: int = 0) -> HloInstruction:
+        config = PaddingConfig(tuple((low, high, interior) if d == dim else (0, 0, 0)
                                      for d in range(value.shape.rank)))
         return self.add("pad", [value, pad], padding=config)
 

@@ -103,3 +103,73 @@ def plan_select_and_scatter(*, operand_rows: int, source_rows: int, window: int,
     if operand_low < 0 or operand_high < 0:
         return None
     return ScatterPlan(source_low, source_high, operand_low, operand_high)
+
+
+# -- windows whose output slabs do not line up with the input slabs ---------------------------------
+#
+# As GSPMD does (spmd_partitioner_util.cc, ExchangeHaloAndGetValidData): device coordinate c
+# reads input rows [starts[c], starts[c] + count), a range whose offset from its slab varies
+# with c. It exchanges the widest halo any device needs, pads locally where no device has the
+# rows, dynamic-slices its range at an offset read from a table indexed by partition-id, and
+# masks the rows outside the array. The local window then has no padding.
+
+
+@dataclasses.dataclass(frozen=True)
+class RowRange:
+    """Rows [starts[c], starts[c] + count) of a split dimension that coordinate c reads
+    (global row indices; those outside the array read as the padding value)."""
+
+    starts: tuple[int, ...]
+    count: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RowFetch:
+    """How each device assembles its RowRange from its slab of `local` rows: exchange `low`
+    rows from the previous devices and `high` from the next ones, pad the result by
+    `pad_low`/`pad_high` rows, and slice `count` rows from `offsets[c]`."""
+
+    low: int
+    high: int
+    pad_low: int
+    pad_high: int
+    offsets: tuple[int, ...]
+
+
+def plan_row_fetch(rows: RowRange, local: int, size: int) -> RowFetch:
+    """The halo exchange and dynamic slice that give coordinate c rows `rows.starts[c]...`
+    of an array of `size` rows split into slabs of `local` rows. Only rows inside the array
+    are exchanged (the others are padding), so no halo reaches past the last device."""
+    low = high = 0
+    for c, start in enumerate(rows.starts):
+        first, stop = max(start, 0), min(start + rows.count, size)
+        if first < stop:
+            low = max(low, c * local - first)
+            high = max(high, stop - (c + 1) * local)
+    pad_low = max([0] + [c * local - low - start for c, start in enumerate(rows.starts)])
+    pad_high = max([0] + [start + rows.count - (c + 1) * local - high for c, start in enumerate(rows.starts)])
+    offsets = tuple(start - (c * local - low - pad_low) for c, start in enumerate(rows.starts))
+    return RowFetch(low, high, pad_low, pad_high, offsets)
+
+
+def window_row_range(*, parts: int, out_rows: int, padding_low: int, stride: int, window_dilation: int,
+                     window: int) -> RowRange:
+    """The (base-dilated) input rows a device's `out_rows` output rows read, for each of
+    `parts` devices; the local window over them has no padding."""
+    count = (out_rows - 1) * stride + (window - 1) * window_dilation + 1
+    return RowRange(tuple(c * out_rows * stride - padding_low for c in range(parts)), count)
+
+
+def scatter_row_ranges(*, parts: int, operand_rows: int, window: int, stride: int,
+                       padding_low: int) -> tuple[RowRange, RowRange]:
+    """(source rows, operand rows) of a select-and-scatter whose device c owns operand rows
+    [c*operand_rows, (c+1)*operand_rows): every window that touches them, and every row those
+    windows cover. The local select-and-scatter over them has no padding; the device's own
+    rows start `c*operand_rows - operand.starts[c]` into its result (possibly before it:
+    rows no window touches)."""
+    first = [-((padding_low - window + 1 + c * operand_rows) // -stride) for c in range(parts)]
+    last = [((c + 1) * operand_rows - 1 + padding_low) // stride for c in range(parts)]
+    count = max(1, max(b - a + 1 for a, b in zip(first, last)))
+    source = RowRange(tuple(first), count)
+    operand = RowRange(tuple(a * stride - padding_low for a in first), (count - 1) * stride + window)
+    return source, operand
