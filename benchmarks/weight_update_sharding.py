@@ -58,7 +58,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from xla_passes.training import MLP, compile_step, compiled_costs  # noqa: E402
+from xla_passes.training import MLP, compile_step, compiled_costs, hand_back_hook  # noqa: E402
 
 PASS = "weight-update-sharding"
 N = 8
@@ -154,14 +154,8 @@ def compile_config(fn, args, passes):
     """`compile_step`, or for HAND_BACK a compile with a hook that returns the module it gets."""
     if passes != HAND_BACK:
         return compile_step(fn, args, passes, strict=True)[0]
-    from jax.extend import xla  # noqa: PLC0415
-
-    stage = xla.PipelineStage.PRE_SCHEDULER
-    xla.register_hlo_module_transformation(bytes, name="benchmark.hand_back", stage=stage, platforms="cpu")
-    try:
+    with hand_back_hook():
         return compile_step(fn, args, None)[0]
-    finally:
-        xla.clear_hlo_module_transformation("benchmark.hand_back", stage, platforms="cpu")
 
 
 def static_numbers(compiled) -> dict:

@@ -1,4 +1,5 @@
-"""Hand XLA back its own module proto with only the entry computation's edits applied.
+"""Serialized `HloModuleProto`s at the wire level: opcode counts without a parse, and XLA's own
+module proto handed back with only the entry computation's edits applied.
 
 The JAX plugin's hook gets a serialized `HloModuleProto`, and must return one. Printing the
 whole edited module and letting XLA parse it back costs XLA's parser the whole module, fusion
@@ -327,3 +328,22 @@ def _small_module_proto(module: HloModule, regenerated: list, callees: list, tex
                 if name in by_name:
                     instructions[by_name[name]] = (start, end)
     return data, instructions, names
+
+
+# An HloInstructionProto's opcode is its field 2, a string: on the wire the tag byte 0x12, the
+# length as a varint, then the name. Searching the serialized module for those bytes counts every
+# instruction of the opcode (and, rarely, another field that happens to hold the same bytes), so
+# the count is never too low: enough to prove that a module has no instruction a pass acts on.
+_OPCODE_FIELD_TAG = b"\x12"
+
+
+def opcode_count(module_proto: bytes, opcode: str) -> int:
+    """At least the number of `opcode` instructions in a serialized `HloModuleProto`."""
+    return module_proto.count(_OPCODE_FIELD_TAG + _encode_varint(len(opcode)) + opcode.encode())
+
+
+def module_name(module_proto: bytes) -> str:
+    """The module's name (HloModuleProto field 1, which XLA serializes first), for log lines."""
+    if len(module_proto) < 2 or module_proto[0] != 0x0A or module_proto[1] >= 0x80:
+        return "<unnamed>"
+    return module_proto[2:2 + module_proto[1]].decode("utf-8", "replace")

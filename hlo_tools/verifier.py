@@ -1524,7 +1524,7 @@ class _Verifier:
         aliased = set()
         if raw is not None:
             try:
-                entries = _parse_alias(str(raw))
+                entries = parse_input_output_alias(str(raw))
             except ValueError as e:
                 raise HloVerifyError(f"malformed input_output_alias: {e}", line=1)
             outputs = set()
@@ -1740,7 +1740,7 @@ def _index(text) -> tuple:
     return tuple(int(x) for x in text.split(",")) if text else ()
 
 
-def _parse_alias(text: str):
+def parse_input_output_alias(text: str):
     """`{ {0}: (0, {}, may-alias), {1}: (1, {1}) }` -> [(output index, param, param index, kind)]."""
     body = text.strip()
     if not (body.startswith("{") and body.endswith("}")):

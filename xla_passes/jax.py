@@ -72,7 +72,7 @@ _module_numbers = itertools.count()
 _module_number_lock = threading.Lock()
 
 
-def _next_module_number() -> int:
+def next_module_number() -> int:
     """The NNNN of `module_NNNN.*` dump files: unique in the process, whatever thread compiles."""
     with _module_number_lock:
         return next(_module_numbers)
@@ -227,14 +227,14 @@ def rewrite_module(module_proto: bytes, settings: Settings) -> bytes | None:
     A failure returns None after one warning, so that XLA compiles the original
     module, or raises when `settings.strict`.
     """
-    number = _next_module_number()
+    number = next_module_number()
     name = "<unparsed>"
     start = time.perf_counter()
     try:
         pipeline = Pipeline(settings.passes, dump_to=settings.dump_to, module_number=number)
-        if not settings.dump_to and not pipeline.could_change(functools.partial(opcode_count, module_proto)):
+        if not settings.dump_to and not pipeline.could_change(functools.partial(proto_patch.opcode_count, module_proto)):
             logger.info("xla_passes: module_%04d %s: skipped, nothing the passes act on, in %.1f ms", number,
-                        _proto_module_name(module_proto), 1e3 * (time.perf_counter() - start))
+                        proto_patch.module_name(module_proto), 1e3 * (time.perf_counter() - start))
             return None
         with garbage_collection_paused():  # the IR becomes garbage only once the hook returns
             # Bodies other than the entry's (mostly fusions, which few passes read) are parsed when read.
@@ -267,31 +267,3 @@ def _entry_signature(module) -> list[str]:
     """The entry's parameter and result shapes, which a module handed back to XLA must keep."""
     parameters, result = module.entry.program_shape
     return [shape.to_text(print_layout=False) for shape in [*parameters, result]]
-
-
-# An HloInstructionProto's opcode is its field 2, a string: on the wire the tag byte 0x12, the
-# length as a varint, then the name. Searching the serialized module for those bytes counts every
-# instruction of the opcode (and, rarely, another field that happens to hold the same bytes), so
-# the count is never too low: enough to prove that a module has no instruction a pass acts on.
-_OPCODE_FIELD_TAG = b"\x12"
-
-
-def opcode_count(module_proto: bytes, opcode: str) -> int:
-    """At least the number of `opcode` instructions in a serialized `HloModuleProto`."""
-    return module_proto.count(_OPCODE_FIELD_TAG + _varint(len(opcode)) + opcode.encode())
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _proto_module_name(module_proto: bytes) -> str:
-    """The module's name (HloModuleProto field 1, which XLA serializes first), for log lines."""
-    if len(module_proto) < 2 or module_proto[0] != 0x0A or module_proto[1] >= 0x80:
-        return "<unnamed>"
-    return module_proto[2:2 + module_proto[1]].decode("utf-8", "replace")

@@ -125,9 +125,9 @@ class Function:
         failing pass logs one warning and TF's module runs unchanged, unless
         `XLA_PASSES_STRICT` is set. Passes given to `function` always fail loudly.
         """
-        from .jax import _next_module_number  # noqa: PLC0415 - one counter for every dump
+        from .jax import next_module_number  # noqa: PLC0415 - one counter for every dump
 
-        number = _next_module_number()
+        number = next_module_number()
         if self._passes is not None:
             return Pipeline(self._passes, dump_to=self._dump_to, module_number=number), True
         try:
@@ -278,11 +278,11 @@ class _Step:
 
     def _variable_updates(self, module) -> list[tuple[int, int]]:
         """(output leaf, input) pairs: the variables the step assigns, from TF's input_output_alias."""
-        from hlo_tools.verifier import _parse_alias  # noqa: PLC0415 - the verifier's reading of it
+        from hlo_tools.verifier import parse_input_output_alias  # noqa: PLC0415
 
         alias = module.attrs.get("input_output_alias")
         updates = [(index[0], parameter) for index, parameter, _, _ in
-                   (_parse_alias(str(alias)) if alias is not None else [])]
+                   (parse_input_output_alias(str(alias)) if alias is not None else [])]
         root = module.entry.root.shape
         leaves = len(root.tuple_shapes) if root.is_tuple else 1
         if leaves != self.num_outputs + len(updates) or any(

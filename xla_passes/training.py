@@ -12,6 +12,7 @@ the device count first (`hlo_tools.xla_bridge.configure_cpu_devices`, or
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import flax.linen as nn
@@ -138,6 +139,23 @@ def compile_step(fn, args, passes: str | None, *, compiler_options: dict | None 
         return compiled, time.perf_counter() - start
     finally:
         xla_passes.jax.disable()
+
+
+@contextlib.contextmanager
+def hand_back_hook():
+    """A pass hook that returns the module XLA gives it, bytes unchanged: what the hook API itself costs.
+
+    XLA rebuilds its module from whatever a hook returns, which is where jaxlib 0.10.2 drops
+    the module's buffer donation and where part of the plugin's compile time goes.
+    """
+    from jax.extend import xla  # noqa: PLC0415
+
+    stage = xla.PipelineStage.PRE_SCHEDULER
+    xla.register_hlo_module_transformation(bytes, name="xla_passes.hand_back", stage=stage, platforms="cpu")
+    try:
+        yield
+    finally:
+        xla.clear_hlo_module_transformation("xla_passes.hand_back", stage, platforms="cpu")
 
 
 def compiled_costs(compiled) -> dict[str, float]:
