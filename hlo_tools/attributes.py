@@ -421,14 +421,84 @@ def parse_iota(text: str) -> IotaTileAssignment:
     return IotaTileAssignment(dims, reshape, perm)
 
 
+_MESH_AXIS = re.compile(r"'([^']+)'=(\d+)")
+_MESH_AXIS_REF = re.compile(r"'([^']+)'(?::\((\d+)\)(\d+))?")
+
+
+def parse_mesh_replica_groups(text: str) -> IotaTileAssignment:
+    """XLA's mesh-axes form `mesh['x'=2,'y'=4] {'x'}` (a group spans the named axes) as the iota list it means.
+
+    Shardy-partitioned modules print their collectives this way. A sub-axis `'x':(p)s` is the size-s
+    part of axis x after the p devices more major than it, as in XLA's MeshAxesReplicaGroupList.
+    """
+    m = re.fullmatch(r"mesh\[(.*)\] \{(.*)\}", text)
+    if not m:
+        raise AttrError(f"expects mesh replica groups like mesh['x'=2,'y'=4] {{'x'}}, saw '{text}'")
+    axes = [_MESH_AXIS.fullmatch(piece.strip()) for piece in m.group(1).split(",")]
+    refs = [_MESH_AXIS_REF.fullmatch(piece.strip()) for piece in m.group(2).split(",")]
+    if not all(axes) or not all(refs):
+        raise AttrError(f"mesh replica groups '{text}': only meshes of named axes 'name'=size are supported")
+    sizes = {a.group(1): int(a.group(2)) for a in axes}
+    # Per mesh axis: (pre_size, size) of each referenced part, or None for the whole axis.
+    parts: dict[str, list[tuple[int, int] | None]] = {}
+    for ref in refs:
+        if ref.group(1) not in sizes:
+            raise AttrError(f"mesh replica groups '{text}': no mesh axis '{ref.group(1)}'")
+        part = (int(ref.group(2)), int(ref.group(3))) if ref.group(2) else None
+        parts.setdefault(ref.group(1), []).append(part)
+    reshape_dims: list[int] = []
+    grouped: list[int] = []  # reshaped dimensions a group spans, in the order the refs name them
+    order = {}  # (axis, part) -> reshaped dimension
+    for axis, size in sizes.items():
+        if axis not in parts:
+            reshape_dims.append(size)
+            continue
+        if parts[axis] == [None]:
+            order[axis, None] = len(reshape_dims)
+            reshape_dims.append(size)
+            continue
+        if None in parts[axis] or any(p < 1 or s < 1 for p, s in parts[axis]):
+            raise AttrError(f"mesh replica groups '{text}': axis '{axis}' named whole and in parts")
+        prefix = 1
+        for pre, part_size in sorted(parts[axis]):
+            if pre % prefix:
+                raise AttrError(f"mesh replica groups '{text}': sub-axes of '{axis}' overlap")
+            if pre != prefix:
+                reshape_dims.append(pre // prefix)
+            order[axis, (pre, part_size)] = len(reshape_dims)
+            reshape_dims.append(part_size)
+            prefix = pre * part_size
+        if size % prefix:
+            raise AttrError(f"mesh replica groups '{text}': sub-axes of '{axis}' do not divide its size {size}")
+        if prefix != size:
+            reshape_dims.append(size // prefix)
+    for ref in refs:
+        part = (int(ref.group(2)), int(ref.group(3))) if ref.group(2) else None
+        grouped.append(order[ref.group(1), part])
+    perm = tuple([d for d in range(len(reshape_dims)) if d not in grouped] + grouped)
+    group_size = 1
+    for d in grouped:
+        group_size *= reshape_dims[d]
+    total = 1
+    for d in reshape_dims:
+        total *= d
+    return IotaTileAssignment((total // group_size, group_size), tuple(reshape_dims), perm)
+
+
 @dataclass(frozen=True)
 class ReplicaGroups:
-    """`replica_groups={{0,1},{2,3}}` or the iota form `replica_groups=[2,2]<=[4]`."""
+    """`replica_groups={{0,1},{2,3}}`, the iota form `[2,2]<=[4]` or the mesh form `mesh['x'=2,'y'=2] {'y'}`.
+
+    The mesh form is kept as its text (`mesh`) for printing, and read as the iota list it means.
+    """
     explicit: tuple[tuple[int, ...], ...] | None = None
     iota: IotaTileAssignment | None = None
+    mesh: str | None = None
 
     @staticmethod
     def parse(text: str) -> "ReplicaGroups":
+        if text.startswith("mesh["):
+            return ReplicaGroups(iota=parse_mesh_replica_groups(text), mesh=text)
         if text.startswith("["):
             iota = parse_iota(text)
             if len(iota.dims) != 2:
@@ -456,6 +526,8 @@ class ReplicaGroups:
         return [devices[i:i + size] for i in range(0, len(devices), size)]
 
     def __str__(self):
+        if self.mesh is not None:
+            return self.mesh
         if self.iota is not None:
             return str(self.iota)
         return "{" + ",".join(print_int_list(g) for g in self.explicit) + "}"

@@ -270,6 +270,11 @@ class _Parser:
             raise self.error(f"unclosed '{stack[-1]}' in attribute value", self.pos)
         if i == self.pos:
             raise self.error("expects attribute value")
+        if text.startswith(" {", i) and text.startswith("mesh[", self.pos):  # mesh['x'=2] {'x'} replica groups
+            close = text.find("}", i)
+            if close < 0:
+                raise self.error("unclosed '{' in attribute value", i + 1)
+            i = close + 1
         value = text[self.pos:i]
         self.pos = i
         return value

@@ -111,6 +111,9 @@ def run(args: argparse.Namespace) -> int:
         path = getattr(args, flag)
         if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             raise cli.CommandError("No such directory", os.path.dirname(path) or ".")
+        if path is not None and any(cli._same_file(path, given) for given in (args.module, args.reference, args.inputs)
+                                    if given is not None):
+            raise cli.CommandError(f"refusing to overwrite an input file with --{flag}", path)
     progress = args.progress or (args.iterations > 1 and _stderr_is_tty())
     module = runner.ModuleRef(path=args.module, input_format=args.input_format)
     common = dict(seed=args.seed, iterations=args.iterations, platform=args.platform,

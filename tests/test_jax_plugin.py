@@ -239,7 +239,19 @@ def test_enable_checks_the_pipeline_and_the_stage_and_changes_nothing_on_error()
         xla_passes_jax.enable("dce", stage="later")
     with pytest.raises(xla_passes.PassError, match=r"unknown option 'bogus'.*\(valid passes: "):
         xla_passes_jax.enable("dce{bogus=1}")
+    with pytest.raises(xla_passes.PassError, match=r"spatial-partitioning cannot run inside JAX's compile"):
+        xla_passes_jax.enable("fixed-point(dce,spatial-partitioning{num_partitions=2})")
     assert xla_passes_jax.enabled() is None
+
+
+def test_a_pass_that_cannot_run_at_the_hook_warns_once_and_the_program_runs():
+    """spatial-partitioning needs a single-device program: refused once at start, not per compiled module."""
+    result = run_worker("program", env={"XLA_PASSES": "dce,spatial-partitioning"})
+    assert report(result) == {"correct": True, "adapter_imported": True, "enabled": None}
+    warnings = warning_lines(result.stderr)
+    assert len(warnings) == 1, result.stderr
+    assert "spatial-partitioning cannot run inside JAX's compile" in warnings[0]
+    assert "xla-opt" in warnings[0] and warnings[0].endswith("no passes enabled")
 
 
 def test_large_constants_survive_a_rewritten_module():
@@ -335,6 +347,9 @@ def test_settings_from_environment():
     ({"XLA_PASSES": "dce", "XLA_PASSES_STAGE": "late"}, "XLA_PASSES='dce' XLA_PASSES_STAGE='late': stage", False),
     ({"XLA_PASSES": "dce", "XLA_PASSES_STRICT": "maybe"}, "XLA_PASSES_STRICT='maybe' is not a yes/no", True),
     ({"XLA_PASSES": "nope", "XLA_PASSES_STRICT": "1"}, "XLA_PASSES='nope': 'nope' is not a valid pipeline", True),
+    ({"XLA_PASSES": "spatial-partitioning{num_partitions=0}"}, "XLA_PASSES='spatial-partitioning{num_partitions=0}': "
+     "'spatial-partitioning{num_partitions=0}' is not a valid pipeline: pass spatial-partitioning: spatial "
+     "partitioning needs at least 2 devices (valid passes: ", False),
 ])
 def test_bad_settings_name_the_variable(environ, message, strict):
     with pytest.raises(configuration.ConfigurationError) as info:

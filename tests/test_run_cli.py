@@ -186,6 +186,9 @@ ERRORS = [
     (["single.hlo", "--timeout", "0"], r"timeout must be a positive number of seconds, not 0"),
     (["per4.hlo", "--iterations", "0"], r"iterations must be a positive integer, not 0"),
     (["per4.hlo", "--output", "no/such/dir/out.npz"], r"no/such/dir: No such directory"),
+    (["per4.hlo", "--output", "per4.hlo"], r"per4\.hlo: refusing to overwrite an input file with --output"),
+    (["single.hlo", "--reference", "per4.hlo", "--save_inputs", "./per4.hlo"],
+     r"\./per4\.hlo: refusing to overwrite an input file with --save_inputs"),
     (["per4.hlo", "--num_processes", "2", "--process_id", "0", "--coordinator", "10.1.2.3:1234"],
      r"coordinator address '10\.1\.2\.3:1234' is not a loopback address"),
     (["per4.hlo", "--process_id", "1"], r"--process_id needs --num_processes of 2 or more"),
@@ -201,3 +204,9 @@ def test_every_error_is_one_line(files, argv, message):
     assert status != 0
     assert ERROR_LINE.fullmatch(err), f"not exactly one error line: {err!r}"
     assert re.search(message, err[len("hlo-tools: error: "):]), err
+
+
+def test_outputs_never_overwrite_the_modules(files):
+    before = (files / "per4.hlo").read_bytes()
+    assert hlo_tools("per4.hlo", "--output", "per4.hlo", cwd=files)[0] != 0
+    assert (files / "per4.hlo").read_bytes() == before

@@ -80,7 +80,7 @@ class Settings:
             message = f"{self.passes!r} is not a valid pipeline: {exc}"
             if "valid passes" not in message:
                 message += f" (valid passes: {', '.join(registered_passes())})"
-            raise PassError(message, exc.pass_name) from exc
+            raise PassError(message) from exc  # `exc` already names its pass
 
 
 def settings_from_environment(environ: Mapping[str, str] | None = None) -> Settings | None:

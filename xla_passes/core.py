@@ -58,6 +58,10 @@ class HloPass:
 
     name: ClassVar[str] = ""
     opcodes: ClassVar[Collection[str] | Mapping[str, int] | None] = None
+    # Whether the pass can run in JAX's compile: False for a pass that needs a single-device
+    # program or a new program signature (the hook's modules are already per device, with a
+    # signature JAX has fixed); the plugin then refuses the pipeline once, when it is switched on.
+    runs_at_jax_hook: ClassVar[bool] = True
 
     def run(self, module: HloModule) -> bool:
         """Rewrite `module` in place; return whether it changed."""

@@ -110,9 +110,11 @@ def enable(passes: str, *, stage: str = PRE_SCHEDULER, dump_to: str | None = Non
       to keep the passes on.
 
     Raises:
-      PassError: bad pipeline text (the message lists the valid passes) or stage.
+      PassError: bad pipeline text (the message lists the valid passes) or stage, or a pass that
+        cannot run in JAX's compile (`HloPass.runs_at_jax_hook`, e.g. spatial-partitioning).
     """
     settings = Settings(passes, stage=stage, dump_to=dump_to, strict=strict, platforms=platforms)
+    check_hook_passes(settings)
     previous = _active
     _switch(settings)
     return _PreviousSettings(previous)
@@ -143,6 +145,8 @@ def enable_configured() -> None:
             return
     try:
         settings = configured_settings()
+        if settings is not None:
+            check_hook_passes(settings)
     except ConfigurationError as exc:
         if not exc.strict:
             logger.warning("xla_passes: %s; no passes enabled", exc)
@@ -153,6 +157,20 @@ def enable_configured() -> None:
         raise
     if settings is not None:
         _switch(settings, explicit=False)
+
+
+def check_hook_passes(settings: Settings) -> None:
+    """Refuse, once and up front, a pipeline with a pass that cannot run in JAX's compile.
+
+    Raises:
+      ConfigurationError: names the passes and where they can run instead.
+    """
+    refused = sorted({p.name for p in Pipeline(settings.passes).all_passes() if not p.runs_at_jax_hook})
+    if refused:
+        raise ConfigurationError(
+            f"{settings.passes!r}: {', '.join(refused)} cannot run inside JAX's compile (the modules "
+            f"XLA hands the hook are already per device, with a signature JAX has fixed); run it on "
+            f"single-device HLO with xla-opt or through xla_passes.tensorflow.function", settings.strict)
 
 
 def apply(settings: Settings | None) -> None:

@@ -136,6 +136,10 @@ class Pipeline:
         """
         return any(hlo_pass.could_change(count_of) for hlo_pass in _flatten(self.passes))
 
+    def all_passes(self) -> list[HloPass]:
+        """Every pass of the pipeline, in order, with fixed-point groups opened up."""
+        return _flatten(self.passes)
+
     def reports(self) -> list[str]:
         """The report lines of every pass in the pipeline that keeps one (see `pass_report`)."""
         return [line for item in _flatten(self.passes) for line in pass_report(item)]

@@ -39,7 +39,8 @@ _GROUP_UNIFORM_COLLECTIVES = frozenset({"all-reduce", "all-gather"})
 
 _SDY_MESH = re.compile(r'(\w+)\s*=\s*#sdy\.mesh<\[([^\]]*)\](?:\s*,\s*device_ids=\[([\d,\s]*)\])?>')
 _SDY_AXIS = re.compile(r'"(\w+)"\s*=\s*(\d+)')
-_SDY_VALUE = re.compile(r'<@(\w+)\s*,\s*\[([^\]]*)\]([^>]*)>')
+# One `<@mesh, [{"data"}, {}]...>` of an sdy sharding: (mesh name, per-dimension axes, the rest).
+SDY_SHARDING_VALUE = re.compile(r'<@(\w+)\s*,\s*\[([^\]]*)\]([^>]*)>')
 
 
 REPLICA_IDS = "replica"   # groups of replica ids (cross-replica collectives)
@@ -166,11 +167,11 @@ class ReplicationAnalysis:
         meshes = module_attributes.get("xla.sdy.meshes") if module_attributes is not None else None
         if in_shardings is None or meshes is None:
             return False
-        values = _SDY_VALUE.findall(in_shardings)
+        values = SDY_SHARDING_VALUE.findall(in_shardings)
         if index >= len(values):
             return False
         mesh_name, dims_text, rest = values[index]
-        mesh = _parse_meshes(meshes).get(mesh_name)
+        mesh = parse_sdy_meshes(meshes).get(mesh_name)
         if mesh is None:
             return False
         axis_names, coordinates = mesh
@@ -191,7 +192,7 @@ def _is_global_to_local(instr: HloInstruction) -> bool:
     return instr.opcode == "custom-call" and instr.attrs.get("custom_call_target") == "xla.sdy.GlobalToLocalShape"
 
 
-def _parse_meshes(text: str) -> dict[str, tuple[list[str], dict[int, tuple[int, ...]]]]:
+def parse_sdy_meshes(text: str) -> dict[str, tuple[list[str], dict[int, tuple[int, ...]]]]:
     """`{mesh = #sdy.mesh<["data"=2, "model"=4]>}` -> {name: (axis names, device -> coordinates)}."""
     meshes = {}
     for name, axes_text, device_ids in _SDY_MESH.findall(text):

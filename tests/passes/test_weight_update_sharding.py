@@ -64,11 +64,11 @@ def _step_function(optimizer, axis: str):
     return step
 
 
-def _shard_map_step(optimizer, donate: bool = False):
+def _shard_map_step(optimizer, donate: bool = False, shapes=PARAM_SHAPES):
     """A jitted shard_map data-parallel step over 8 devices and its abstract arguments; `donate`
     donates the parameters and optimizer state, as training loops do."""
     mesh = jax.make_mesh((8,), ("data",))
-    params = {name: jnp.zeros(shape) for name, shape in PARAM_SHAPES.items()}
+    params = {name: jnp.zeros(shape) for name, shape in shapes.items()}
     state = jax.eval_shape(optimizer.init, params)
 
     def spec(value, partition=P()):
@@ -78,7 +78,7 @@ def _shard_map_step(optimizer, donate: bool = False):
                                in_specs=(P(), P(), P("data"), P("data")), out_specs=(P(), P(), P())),
                  donate_argnums=(0, 1) if donate else ())
     args = (jax.tree.map(spec, params), jax.tree.map(spec, state),
-            spec(jnp.zeros((64, 16)), P("data")), spec(jnp.zeros((64, 4)), P("data")))
+            spec(jnp.zeros((64, shapes["w1"][0])), P("data")), spec(jnp.zeros((64, shapes["w2"][1])), P("data")))
     return fn, args
 
 
@@ -269,8 +269,9 @@ def test_pmap_step_needs_the_replicated_parameters_assumption():
     assert opcodes.count("reduce-scatter") == 2 and opcodes.count("all-gather") == 4
 
 
-def test_data_axis_of_a_two_dimensional_mesh():
-    """Weights split over "model", gradients averaged over "data" (groups {0,2,4,6},{1,3,5,7})."""
+def _two_dimensional_mesh_step() -> str:
+    """Adam on a 4x2 ("data", "model") mesh: the weight and its moments split over "model",
+    gradients averaged over "data" (groups {0,2,4,6},{1,3,5,7}); the lowered module's text."""
     mesh = jax.make_mesh((4, 2), ("data", "model"))
     optimizer = optax.adam(1e-3)
 
@@ -293,7 +294,11 @@ def test_data_axis_of_a_two_dimensional_mesh():
 
     args = (spec((16, 32), P(None, "model")), jax.tree.map(lambda a, s: spec(a.shape, s, a.dtype), state, state_specs),
             spec((64, 16), P("data")), spec((64, 32), P("data", "model")))
-    text = _lowered_text(fn, args)
+    return _lowered_text(fn, args)
+
+
+def test_data_axis_of_a_two_dimensional_mesh():
+    text = _two_dimensional_mesh_step()
     module = run_and_compare(text, ALL_SIZES, exact=False, inputs=_spmd_inputs(hlo_tools.parse_module(text)),
                              **BOUNDS)
     body = _shard_map_body(module)
@@ -457,6 +462,118 @@ def test_persistent_state_stays_sharded():
     report = _run_pass(hlo_tools.parse_module(text), f"{PASS}{{threshold_bytes=256,persistent=true}}").report
     assert report[0].signature == ("persistent: parameter 1 (%m) f32[64,16] -> f32[8,16], "
                                    "output 1 f32[64,16] -> f32[8,16]")
+
+
+# No weight needs flattening over 8 devices: all optimizer state can stay split between steps.
+SPLITTABLE_SHAPES = {"w1": (16, 32), "b1": (32,), "w2": (32, 8)}
+PERSISTENT = f"{PASS}{{threshold_bytes=0,persistent=true}}"
+
+
+def _run_steps(text: str, inputs: list[np.ndarray], steps: int, carried: int, seed=1) -> list[list[np.ndarray]]:
+    """Run a training step `steps` times on the runner, its first `carried` outputs (weights and
+    optimizer state) the next step's first inputs, fresh data each step; every step's outputs."""
+    rng = np.random.default_rng(seed)
+    history = []
+    for _ in range(steps):
+        outputs = runner.run_module(text, inputs).outputs
+        history.append(outputs)
+        inputs = list(outputs[:carried]) + [_uniform(rng, a.shape) for a in inputs[carried:]]
+    return history
+
+
+def _assert_same_steps(rewritten: str, original: str, carried: int | None = None, steps: int = 2) -> None:
+    """Both modules, run `steps` steps from the same inputs with their first `carried` outputs
+    (weights and state; default: all but the loss, the last) fed back, give the same outputs
+    at every step."""
+    before = hlo_tools.parse_module(original)
+    inputs = _spmd_inputs(before)
+    carried = before.entry.root.operand_count - 1 if carried is None else carried
+    after, expected = (_run_steps(text, inputs, steps, carried) for text in (rewritten, original))
+    for step, (got, want) in enumerate(zip(after, expected)):
+        comparison = runner.compare_outputs(got, want, **BOUNDS)
+        assert comparison.ok, f"step {step}:\n{comparison.format()}"
+
+
+def test_persistent_state_of_a_shard_map_step():
+    """Adam's moments stay split over the data axis between steps: the entry parameters and
+    outputs keep their global shapes with a data-axis sharding, the shard_map passes each
+    device its shard, only the weights are all-gathered, and each device holds 1/8 of them."""
+    text = _lowered_text(*_shard_map_step(optax.adam(1e-3), donate=True, shapes=SPLITTABLE_SHAPES))
+    module = hlo_tools.parse_module(text)
+    report = _run_pass(module, PERSISTENT).report
+    moments = [p for p in module.entry.parameters if "__mu__" in p.name or "__nu__" in p.name]
+    assert len(moments) == 6
+    for moment in moments:
+        shard = _shard_map_body(module).parameter(moment.parameter_number).shape.dims
+        tiles = [full // part for full, part in zip(moment.shape.dims, shard)]
+        assert sorted(tiles) == [1] * (len(tiles) - 1) + [8]  # one dimension split over the 8 devices
+        assert str(moment.attrs["sharding"]) == "{devices=[%s]0,1,2,3,4,5,6,7}" % ",".join(map(str, tiles))
+        split = ", ".join('{"data"}' if t == 8 else "{}" for t in tiles)
+        assert moment.attrs["frontend_attributes"].get("xla.sdy.sharding") == f"#sdy.sharding<@mesh, [{split}]>"
+    root_shardings = module.entry.root.attrs["sharding"].elements
+    assert [str(root_shardings[p.parameter_number]) for p in moments] == [str(p.attrs["sharding"]) for p in moments]
+    sharded = [r for r in report if r.sharded]
+    assert len(sharded) == 3 and all(r.signature.count("(the shard_map body takes and returns") == 2 for r in sharded)
+    w1 = next(r for r in sharded if r.weights[-1] == "params__w1__.1")
+    assert w1.dimension == 1  # the gradient's layout is {0,1}: its dimension 1 is the major one
+    assert w1.signature == (
+        "persistent: parameter 5 (%state_0__mu__w1__.1) f32[16,32] sharding {replicated} "
+        "-> {devices=[1,8]0,1,2,3,4,5,6,7}, "
+        "output 5 sharding -> {devices=[1,8]0,1,2,3,4,5,6,7} (the shard_map body takes and returns f32[16,4]); "
+        "parameter 8 (%state_0__nu__w1__.1) f32[16,32] sharding {replicated} -> {devices=[1,8]0,1,2,3,4,5,6,7}, "
+        "output 8 sharding -> {devices=[1,8]0,1,2,3,4,5,6,7} (the shard_map body takes and returns f32[16,4])")
+    # only the weights are gathered: the wire bytes are the all-reduce's
+    gathered = sorted(i.shape.dims for i in _shard_map_body(module).instructions if i.opcode == "all-gather")
+    assert gathered == sorted(SPLITTABLE_SHAPES.values())
+
+    _assert_same_steps(module.to_text(), text)
+
+    # each device holds 1/8 of the moments, as argument and (donated, aliased) output
+    gathered_state = hlo_tools.parse_module(text)
+    _run_pass(gathered_state, ALL_SIZES)
+    full, split = xla_cost(gathered_state, isolate=False).memory, xla_cost(module, isolate=False).memory
+    moment_bytes = sum(p.shape.byte_size for p in moments)
+    assert full["argument_bytes"] - split["argument_bytes"] == moment_bytes * 7 // 8
+    assert full["alias_bytes"] - split["alias_bytes"] == moment_bytes * 7 // 8
+
+
+def test_persistent_state_split_over_model_and_data():
+    """On a 4x2 mesh the moments, already split over "model" along dimension 1, are split
+    further over "data" along it (model-major: the body's local block of 16 columns is the
+    model tile, and the data position picks 4 of them), and two steps compute the same."""
+    text = _two_dimensional_mesh_step()
+    module = hlo_tools.parse_module(text)
+    (report,) = _run_pass(module, PERSISTENT).report
+    assert report.dimension == 1 and report.signature.count("-> {devices=[1,8]0,2,4,6,1,3,5,7}") == 4
+    for moment in module.entry.parameters[2:4]:
+        assert moment.attrs["frontend_attributes"].get("xla.sdy.sharding") == \
+            '#sdy.sharding<@mesh, [{}, {"model", "data"}]>'
+        assert _shard_map_body(module).parameter(moment.parameter_number).shape.dims == (16, 4)
+    _assert_same_steps(module.to_text(), text)
+
+
+def test_persistent_keeps_flattened_state_full_in_a_shard_map_step():
+    """A flattened (padded) shard is no split that a shard_map spec can state: that state stays
+    full, and the report says so."""
+    module = hlo_tools.parse_module(_lowered_text(*_shard_map_step(OPTIMIZERS["momentum"]())))
+    report = {r.weights[-1]: r for r in _run_pass(module, PERSISTENT).report if r.weights}
+    assert report["params__w1__.1"].signature.startswith("persistent: parameter 4 (%state_0__trace__w1__.1)")
+    assert report["params__w2__.1"].signature == (
+        "persistent: %shard_map.22 stays full: a flattened shard is not a split of one dimension that "
+        "shard_map can express")
+    assert module.entry.parameters[5].shape.dims == (13, 4) and "sharding={replicated}" in \
+        module.entry.parameters[5].to_text()
+
+
+def test_persistent_hand_written_shard_map_step():
+    """The FileCheck case: two momentum steps, the state carried from one to the next."""
+    text = CASES["persistent_shard_map"]
+    module = hlo_tools.parse_module(text)
+    (report,) = _run_pass(module, f"{PASS}{{threshold_bytes=256,persistent=true}}").report
+    assert report.signature == (
+        "persistent: parameter 1 (%m) f32[64,16] sharding {replicated} -> {devices=[8,1]0,1,2,3,4,5,6,7}, output 1 "
+        "sharding -> {devices=[8,1]0,1,2,3,4,5,6,7} (the shard_map body takes and returns f32[8,16])")
+    _assert_same_steps(module.to_text(), text, carried=2)  # the new weight and momentum
 
 
 KEPT = {

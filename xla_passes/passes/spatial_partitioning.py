@@ -77,6 +77,7 @@ class SpatialPartitioning(HloPass):
     """Split images over devices by rows (mesh=RxC: rows and columns), exchanging halos."""
 
     name = "spatial-partitioning"
+    runs_at_jax_hook = False  # it partitions single-device programs; the hook's are per device
     num_partitions: int = 4   # devices along H (ignored when `mesh` is given)
     mesh: str = ""            # "2x2": H over the first axis, W over the second
     split: str = ""           # "P:D" (or "P:D0:D1" for a 2-D mesh) per split parameter, ';'-separated

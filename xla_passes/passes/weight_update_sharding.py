@@ -39,7 +39,10 @@ the root) are all-gathered; a full reduction (global-norm clipping, LAMB/LARS tr
 ratios) becomes a reduction of the shard plus an all-reduce of the partial results; a
 fusion that computes such norms is inlined first. Anything else keeps the weight
 replicated, with the reason in the report (`pass.report`, and the `xla_passes` logger).
-docs/weight_update_sharding.md has the options, the report and the limits.
+With `persistent=true` the optimizer state stays sharded between steps: in an entry
+computation its parameter and output become shards; in a Shardy shard_map body they become
+shards and the split moves into the shard_map's and the entry's shardings (global shapes
+unchanged). docs/weight_update_sharding.md has the options, the report and the limits.
 """
 from __future__ import annotations
 
@@ -52,7 +55,7 @@ import re
 import numpy as np
 
 from hlo_tools import HloComputation, HloInstruction, HloModule, Shape
-from hlo_tools.attributes import PaddingConfig, ReplicaGroups, Sharding, SliceSpec
+from hlo_tools.attributes import FrontendAttributes, PaddingConfig, ReplicaGroups, Sharding, SliceSpec
 from hlo_tools.literal import Literal, numpy_dtype
 from hlo_tools.opcodes import ELEMENTWISE, has_side_effect
 from hlo_tools.shape import FLOAT_DTYPES
@@ -61,7 +64,7 @@ from hlo_tools.shape_inference import infer_shape
 from ..collectives import reducer_opcode
 from ..core import HloPass, register_pass
 from ..replica_groups import DeviceCounts
-from ..replication_analysis import REPLICA_IDS, ReplicationAnalysis, participants
+from ..replication_analysis import SDY_SHARDING_VALUE, REPLICA_IDS, ReplicationAnalysis, parse_sdy_meshes, participants
 
 logger = logging.getLogger("xla_passes")
 
@@ -470,6 +473,7 @@ class _ComputationSharder:
         self._callers = self.module.callers()
         scattered = self._scatter_gradients(regions, chains)
         persistent = self.options.persistent and self.comp.is_entry and self.comp.root.opcode == "tuple"
+        boundary = _ShardMapBoundary.of(self.module, self.comp) if self.options.persistent else None
         sharded_outputs: dict[int, _Region] = {}
         for region in regions:
             shards: dict[HloInstruction, HloInstruction] = {}  # full-size value -> its shard in this region
@@ -477,10 +481,11 @@ class _ComputationSharder:
                 shard = self._gradient_shard(region, chains[top], scattered)
                 for value in top.values:
                     shards[value] = shard
-            kept_sharded = self._keep_state_sharded(region, shards) if persistent else set()
-            if self.options.persistent and not persistent:
-                region.report.signature = (f"persistent: not applied, the update is in %{self.comp.name}, not in an "
-                                           f"entry computation that returns a tuple")
+            kept_sharded = self._keep_state_sharded(region, shards, boundary) if persistent or boundary else set()
+            if self.options.persistent and not (persistent or boundary):
+                region.report.signature = (f"persistent: not applied, the update is in %{self.comp.name}, neither "
+                                           f"an entry computation that returns a tuple nor the body of a Shardy "
+                                           f"shard_map that the entry calls")
             full_shapes = {member: member.shape for member in region.members}
             for member in region.members:
                 if member not in shards:
@@ -492,41 +497,59 @@ class _ComputationSharder:
         root_name = self.comp.root.name
         if sharded_outputs:
             self._retype_root(sharded_outputs)
+            if boundary is not None:
+                boundary.retype_call()
         self._remove_dead()
         if self.comp.root.name != root_name:
             self.comp.root.rename(root_name)
         self.comp.sort_topologically()
 
-    def _keep_state_sharded(self, region: _Region, shards) -> set[int]:
+    def _keep_state_sharded(self, region: _Region, shards, boundary: "_ShardMapBoundary | None") -> set[int]:
         """`persistent`: make the parameters that only the update reads (optimizer state) shards
         of themselves, and return the output indices that hand their new value back as shards.
 
         An output carries the new value of the parameter that input_output_alias pairs it with,
         or, without aliasing, of the parameter with its own index (JAX returns the state in the
-        order it takes it).
+        order it takes it). In a shard_map body (`boundary`) the pairing is the entry's, and the
+        entry parameter and output keep their global shape with a sharding split over the group.
         """
         members = set(region.members)
         root = self.comp.root
         output_of = {number: index for index, number in _output_parameters(self.module, root.operand_count).items()}
-        changes, outputs = [], set()
+        changes, outputs, refused = [], set(), []
         for value in region.sliced:
-            index = output_of.get(value.parameter_number) if value.opcode == "parameter" else None
+            if value.opcode != "parameter":
+                continue
+            number = value.parameter_number
+            index = output_of.get(number) if boundary is None else boundary.body_output_of(number)
             if index is None or root.operand(index) not in members or not all(u in members for u in value.users):
                 continue  # the state must come in and go out through this update alone
+            spec = None
+            if boundary is not None:
+                spec, problem = boundary.split_spec(number, index, region.plan, region.key)
+                if spec is None:
+                    refused.append(f"%{value.name} stays full: {problem}")
+                    continue
             full = value.shape
             value.set_shape(region.plan.shard_shape(full))
+            shards[value] = value
+            outputs.add(index)
+            if boundary is not None:
+                changes.append(boundary.keep_sharded(number, index, spec) +
+                               f" (the shard_map body takes and returns {value.shape.to_text(print_layout=False)})")
+                continue
             if region.key[0] != REPLICA_IDS:
                 value.attrs["sharding"] = self._tile_sharding(region, value.shape.rank)
             elif "parameter_replication" in value.attrs:
                 del value.attrs["parameter_replication"]  # each replica now holds a different shard
-            shards[value] = value
-            outputs.add(index)
-            changes.append(f"parameter {value.parameter_number} (%{value.name}) {full} -> {value.shape}")
-        for index in sorted(outputs):
-            full = root.operand(index).shape
-            changes.append(f"output {index} {full} -> {region.plan.shard_shape(full)}")
-        if changes:
-            region.report.signature = "persistent: " + ", ".join(changes)
+            changes.append(f"parameter {number} (%{value.name}) {full} -> {value.shape}")
+        if boundary is None:
+            for index in sorted(outputs):
+                full = root.operand(index).shape
+                changes.append(f"output {index} {full} -> {region.plan.shard_shape(full)}")
+        if changes or refused:  # a shard_map change lists an output itself: ";" between changes
+            listed = (", " if boundary is None else "; ").join(changes)
+            region.report.signature = "persistent: " + "; ".join(filter(None, [listed, *refused]))
         return outputs
 
     def _tile_sharding(self, region: _Region, rank: int) -> Sharding:
@@ -545,7 +568,8 @@ class _ComputationSharder:
         root = self.comp.root
         attrs = dict(root.attrs)
         sharding = attrs.get("sharding")
-        if sharding is not None or any(r.key[0] != REPLICA_IDS for r in sharded_outputs.values()):
+        partitioned = any(r.key[0] != REPLICA_IDS for r in sharded_outputs.values())
+        if self.comp.is_entry and (sharding is not None or partitioned):  # a shard_map body's are per-device
             elements = list(sharding.elements) if sharding is not None and sharding.kind == "tuple" else \
                 [sharding or Sharding.replicated()] * root.operand_count
             for index, region in sharded_outputs.items():
@@ -842,6 +866,247 @@ class _ComputationSharder:
             operands = list(instr.operands)
             self.comp.remove_instruction(instr)
             pending.extend(operands)
+
+
+# -- persistent state through a shard_map boundary ------------------------------------------------------
+
+_GLOBAL_TO_LOCAL = "xla.sdy.GlobalToLocalShape"
+_LOCAL_TO_GLOBAL = "xla.sdy.LocalToGlobalShape"
+_RESULT_SHARDING = "xla.sdy.FuncResultSharding"
+
+
+def _is_custom_call(instr: HloInstruction, target: str) -> bool:
+    return instr.opcode == "custom-call" and instr.attrs.get("custom_call_target") == target
+
+
+def _frontend_attribute(owner: HloInstruction | HloModule, key: str) -> str | None:
+    attributes = owner.attrs.get("frontend_attributes")
+    return attributes.get(key) if attributes is not None else None
+
+
+def _set_frontend_attribute(instr: HloInstruction, key: str, value: str) -> None:
+    attributes = instr.attrs.get("frontend_attributes")
+    items = dict(attributes.items) if attributes is not None else {}
+    items[key] = value
+    instr.attrs["frontend_attributes"] = FrontendAttributes(tuple(items.items()))
+
+
+def _sdy_values(text: str) -> list[re.Match]:
+    """The `<@mesh, [{...}, ...]...>` entries of a Shardy sharding attribute."""
+    return list(SDY_SHARDING_VALUE.finditer(text))
+
+
+def _sdy_dims(dims_text: str) -> list[list[str]] | None:
+    """`{"model"}, {}` -> [["model"], []]; None for what this pass does not rewrite (open
+    dimensions `?`, sub-axes `"x":(1)2`, priorities)."""
+    dims = []
+    for piece in re.findall(r"\{([^}]*)\}([^,{]*)", dims_text):
+        axes_text, suffix = piece
+        if suffix.strip() or not re.fullmatch(r'\s*("\w+"\s*(,\s*"\w+"\s*)*)?', axes_text):
+            return None
+        dims.append(re.findall(r'"(\w+)"', axes_text))
+    return dims
+
+
+def _sdy_dims_text(dims: list[list[str]]) -> str:
+    return ", ".join("{" + ", ".join(f'"{axis}"' for axis in axes) + "}" for axes in dims)
+
+
+@dataclasses.dataclass
+class _ShardMapBoundary:
+    """The entry's side of a shard_map body: GlobalToLocalShape -> call(body) -> LocalToGlobalShape.
+
+    With `persistent`, a state parameter of the body becomes its shard, and so does the body
+    output with its next value. The entry keeps the global shapes; what changes is how the
+    value is split: over the mesh axes of the gradient's group, in the shard_map's in/out
+    shardings, the entry parameter's and output's shardings (Shardy's and HloSharding's).
+    """
+
+    module: HloModule
+    call: HloInstruction
+    global_to_local: HloInstruction
+    local_to_global: HloInstruction
+    mesh_name: str
+    axes: list[str]
+    sizes: dict[str, int]
+    coordinates: dict[int, tuple[int, ...]]
+    manual_axes: set[str]
+
+    @classmethod
+    def of(cls, module: HloModule, body: HloComputation) -> "_ShardMapBoundary | None":
+        """The boundary of `body` when it is the body of one shard_map of the entry, else None."""
+        calls = module.callers().get(body, [])
+        if body.is_entry or len(calls) != 1 or calls[0].opcode != "call" or not calls[0].parent.is_entry:
+            return None
+        call = calls[0]
+        if body.root.opcode != "tuple" or not call.operands or not call.users or \
+                any(u.opcode != "get-tuple-element" for u in call.users):
+            return None
+        sources = {o.operand(0) for o in call.operands if o.opcode == "get-tuple-element"}
+        sinks = {u for gte in call.users for u in gte.users}
+        if len(sources) != 1 or len(sinks) != 1:
+            return None
+        (global_to_local,), (local_to_global,) = sources, sinks
+        if not (_is_custom_call(global_to_local, _GLOBAL_TO_LOCAL)
+                and _is_custom_call(local_to_global, _LOCAL_TO_GLOBAL)):
+            return None
+        in_shardings = _frontend_attribute(global_to_local, "xla.sdy.in_shardings") or ""
+        meshes_text = _frontend_attribute(module, "xla.sdy.meshes")
+        values = _sdy_values(in_shardings)
+        if not values or meshes_text is None or values[0].group(1) not in parse_sdy_meshes(meshes_text):
+            return None
+        mesh_name = values[0].group(1)
+        axes, coordinates = parse_sdy_meshes(meshes_text)[mesh_name]
+        sizes = {axis: 1 + max(c[i] for c in coordinates.values()) for i, axis in enumerate(axes)}
+        manual_axes = set(re.findall(r'"(\w+)"', _frontend_attribute(global_to_local, "xla.sdy.manual_axes") or ""))
+        return cls(module, call, global_to_local, local_to_global, mesh_name, axes, sizes, coordinates, manual_axes)
+
+    def body_output_of(self, number: int) -> int | None:
+        """The body output that carries the next value of body parameter `number`: the one that
+        reaches the entry output paired with the entry parameter the shard_map passes in."""
+        operand = self.call.operand(number)
+        if (operand.opcode != "get-tuple-element" or operand.operand(0) is not self.global_to_local
+                or operand.users != [self.call] or self.call.operands.count(operand) != 1):
+            return None
+        parameter = self.global_to_local.operand(operand.attrs["index"])
+        if parameter.opcode != "parameter":
+            return None
+        entry_root = self.call.parent.root
+        if entry_root.opcode != "tuple":
+            return None
+        for output, number_of_parameter in _output_parameters(self.module, entry_root.operand_count).items():
+            if number_of_parameter == parameter.parameter_number and output < entry_root.operand_count:
+                value = self._body_value_of(entry_root.operand(output))
+                return None if value is None else value.attrs["index"]
+        return None
+
+    def _body_value_of(self, value: HloInstruction) -> HloInstruction | None:
+        """The get-tuple-element of the call that an entry output passes on unchanged, or None."""
+        while value.operand_count == 1 and value.shape.dims == value.operand(0).shape.dims and (
+                value.opcode in ("reshape", "bitcast", "copy") or _is_custom_call(value, _RESULT_SHARDING)):
+            value = value.operand(0)
+        if value.opcode != "get-tuple-element" or value.operand(0) is not self.local_to_global:
+            return None
+        local = self.local_to_global.operand(value.attrs["index"])
+        if local.opcode != "get-tuple-element" or local.operand(0) is not self.call or \
+                local.users != [self.local_to_global] or self.local_to_global.operands.count(local) != 1:
+            return None
+        return local
+
+    def split_spec(self, number: int, body_output: int, plan: _Plan, key) -> tuple[list[list[str]] | None, str]:
+        """The Shardy dimension spec of body parameter `number` (and of `body_output`, which
+        returns its next value) once also split as `plan` says over the mesh axes of the
+        group, or (None, why not)."""
+        if plan.dimension is None:
+            return None, "a flattened shard is not a split of one dimension that shard_map can express"
+        axes = self._group_axes(key)
+        if axes is None:
+            return None, "its replica groups are not the devices along manual mesh axes"
+        index = self.call.operand(number).attrs["index"]
+        entering = _sdy_values(_frontend_attribute(self.global_to_local, "xla.sdy.in_shardings") or "")
+        leaving = _sdy_values(_frontend_attribute(self.local_to_global, "xla.sdy.out_shardings") or "")
+        if index >= len(entering) or body_output >= len(leaving) or \
+                entering[index].group(0) != leaving[body_output].group(0):
+            return None, "the shard_map's in and out shardings of the state differ"
+        dims = _sdy_dims(entering[index].group(2))
+        if dims is None or len(dims) != len(plan.full_dims) or entering[index].group(1) != self.mesh_name \
+                or entering[index].group(3).strip():
+            return None, "its shard_map in_sharding is not a plain split of its dimensions"
+        if any(axis in used for used in dims for axis in axes):
+            return None, "it is already split over the group's mesh axes"
+        dims[plan.dimension] = dims[plan.dimension] + axes
+        return dims, ""
+
+    def _group_axes(self, key) -> list[str] | None:
+        """The manual mesh axes along which each group's devices lie in group order, or None."""
+        space, groups = key
+        if space == REPLICA_IDS:
+            return None
+        found = None
+        for group in groups:
+            if any(device not in self.coordinates for device in group):
+                return None
+            coords = np.array([self.coordinates[device] for device in group])
+            varying = [i for i in range(len(self.axes)) if len(set(coords[:, i])) > 1]
+            if found is not None and varying != found:
+                return None
+            found = varying
+            shape = [self.sizes[self.axes[i]] for i in varying]
+            if not shape or math.prod(shape) != len(group) or list(np.ravel_multi_index(
+                    tuple(coords[:, i] for i in varying), shape)) != list(range(len(group))):
+                return None
+        axes = [self.axes[i] for i in found or []]
+        return axes if axes and set(axes) <= self.manual_axes else None
+
+    def hlo_sharding(self, dims: list[list[str]]) -> Sharding:
+        """The HloSharding of a Shardy dimension spec over this mesh."""
+        tile_dims = [math.prod(self.sizes[a] for a in axes) for axes in dims]
+        rest = [a for a in self.axes if not any(a in axes for axes in dims)]
+        copies = math.prod(self.sizes[a] for a in rest)
+        if math.prod(tile_dims) == 1:
+            return Sharding.replicated()
+        shape = tile_dims + ([copies] if copies > 1 else [])
+        table = np.zeros(shape, np.int64)
+        for device, coords in self.coordinates.items():
+            position = dict(zip(self.axes, coords))
+            tile = [self._index_along(axes, position) for axes in dims]
+            table[tuple(tile + ([self._index_along(rest, position)] if copies > 1 else []))] = device
+        return Sharding.tiled(shape, table.ravel().tolist(), last_tile_dim_replicate=copies > 1)
+
+    def _index_along(self, axes: list[str], position: dict[str, int]) -> int:
+        """A device's index among the tiles that `axes` (major to minor) make."""
+        return int(np.ravel_multi_index([position[a] for a in axes], [self.sizes[a] for a in axes])) if axes else 0
+
+    def keep_sharded(self, number: int, body_output: int, dims: list[list[str]]) -> str:
+        """Split the entry parameter that body parameter `number` comes from, and the entry output
+        that body output `body_output` reaches, as `dims` says; describe the change."""
+        sharding, sdy_dims = self.hlo_sharding(dims), _sdy_dims_text(dims)
+        gte = self.call.operand(number)
+        index = gte.attrs["index"]
+        parameter = self.global_to_local.operand(index)
+        before = parameter.attrs.get("sharding") or Sharding.replicated()
+        parameter.attrs["sharding"] = sharding
+        _set_frontend_attribute(parameter, "xla.sdy.sharding", f"#sdy.sharding<@{self.mesh_name}, [{sdy_dims}]>")
+        self._replace_value(self.global_to_local, "xla.sdy.in_shardings", index, sdy_dims)
+        shapes = list(self.global_to_local.shape.tuple_shapes)
+        shapes[index] = self.call.attrs["to_apply"].parameter(number).shape
+        self.global_to_local.set_shape(Shape.tuple(shapes))
+        gte.set_shape(shapes[index])
+        self._replace_value(self.local_to_global, "xla.sdy.out_shardings", body_output, sdy_dims)
+        entry_root = self.call.parent.root
+        outputs = [i for i, o in enumerate(entry_root.operands)
+                   if (v := self._body_value_of(o)) is not None and v.attrs["index"] == body_output]
+        for output in outputs:
+            value = entry_root.operand(output)
+            while value.opcode != "get-tuple-element":
+                if _is_custom_call(value, _RESULT_SHARDING):
+                    _set_frontend_attribute(value, "xla.sdy.sharding",
+                                            f"#sdy.sharding_per_value<[<@{self.mesh_name}, [{sdy_dims}]>]>")
+                if "sharding" in value.attrs:
+                    value.attrs["sharding"] = sharding
+                value = value.operand(0)
+            root_sharding = entry_root.attrs.get("sharding")
+            if root_sharding is not None and root_sharding.kind == "tuple":
+                elements = list(root_sharding.elements)
+                elements[output] = sharding
+                entry_root.attrs["sharding"] = Sharding.tuple_of(elements)
+        full = parameter.shape.to_text(print_layout=False)
+        return (f"parameter {parameter.parameter_number} (%{parameter.name}) {full} sharding {before} -> {sharding}, "
+                + ", ".join(f"output {o}" for o in outputs) + f" sharding -> {sharding}")
+
+    def _replace_value(self, instr: HloInstruction, key: str, index: int, sdy_dims: str) -> None:
+        """Entry `index` of the sharding_per_value attribute `key` of `instr`, split as `sdy_dims`."""
+        text = _frontend_attribute(instr, key)
+        match = _sdy_values(text)[index]
+        replaced = f"<@{self.mesh_name}, [{sdy_dims}]{match.group(3)}>"
+        _set_frontend_attribute(instr, key, text[:match.start()] + replaced + text[match.end():])
+
+    def retype_call(self) -> None:
+        """The call and its get-tuple-elements take the body's new result shapes."""
+        body_root = self.call.attrs["to_apply"].root
+        self.call.set_shape(body_root.shape)
+        for gte in self.call.users:
+            gte.set_shape(body_root.shape.tuple_shapes[gte.attrs["index"]])
 
 
 # -- instruction predicates ---------------------------------------------------------------------------
