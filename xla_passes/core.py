@@ -136,8 +136,11 @@ def _convert(text: str, kind, key: str, pass_name: str):
             if lowered in ("false", "0", "no", "off"):
                 return False
             raise ValueError
-        if kind is int:
-            return int(text, 0)
+        if kind is int:  # every integer option is a size, a count or a threshold
+            value = int(text, 0)
+            if value < 0:
+                raise PassError(f"option {key}={text!r} must not be negative", pass_name)
+            return value
         if kind is float:
             return float(text)
         return text

@@ -266,6 +266,8 @@ class _PipelineParser:
             key, eq, value = part.partition("=")
             if not eq or not key.strip():
                 raise self.error(f"option {part.strip()!r} is not key=value")
+            if key.strip() in options:
+                raise self.error(f"option {key.strip()!r} is given twice")
             options[key.strip()] = value.strip()
         self.pos = end + 1
         return options

@@ -71,6 +71,8 @@ def test_pipeline_text_round_trips_through_str():
     ("fixed-point", "fixed-point needs a group of passes in parentheses"),
     ("fixed-point{max_iterations=0}(dce)", "max_iterations must be at least 1"),
     ("", "empty pipeline"),
+    ("all-reduce-combiner{threshold_bytes=-5}", "option threshold_bytes='-5' must not be negative"),
+    ("spatial-partitioning{num_partitions=4,num_partitions=2}", "option 'num_partitions' is given twice"),
 ])
 def test_bad_pipeline_text_is_one_clear_error(text, message):
     with pytest.raises(PassError) as info:
