@@ -17,26 +17,20 @@ Needs the test extra (Flax, optax): ``pip install -e '.[test]'``.
 Run from the repository root: ``.venv/bin/python benchmarks/parse_print.py``.
 """
 
-import os
+import argparse
+import platform
+import statistics
+import time
 
-# XLA reads XLA_FLAGS once, when its CPU backend starts: set it before importing jax.
-os.environ["XLA_FLAGS"] = " ".join(
-    [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]).strip()
-os.environ["JAX_PLATFORMS"] = "cpu"
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-import argparse  # noqa: E402
-import platform  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-
-import flax.linen as nn  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
-
-import hlo_tools  # noqa: E402
-from hlo_tools import xla_bridge  # noqa: E402
+import hlo_tools
+from hlo_tools import xla_bridge
+from xla_passes.training import use_cpu_devices
 
 MIN_LINES = 10_000
 
@@ -130,6 +124,7 @@ def benchmark(label: str, text: str, reps: int) -> list[str]:
 
 
 def main() -> None:
+    use_cpu_devices(8)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=24, help="residual blocks in the model")
     parser.add_argument("--reps", type=int, default=7, help="timed repetitions per operation")

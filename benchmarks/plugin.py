@@ -33,33 +33,26 @@ an MLP of Dense layers with one all-reduce per gradient.
 
 Run from the repository root: ``.venv/bin/python benchmarks/plugin.py``.
 """
+import argparse
+import glob
+import logging
 import os
+import platform
+import statistics
+import tempfile
+import time
 
-# XLA reads XLA_FLAGS once, when its CPU backend starts: set it before importing jax.
-os.environ["XLA_FLAGS"] = " ".join(
-    [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]).strip()
-os.environ["JAX_PLATFORMS"] = "cpu"
-for _variable in [name for name in os.environ if name.startswith("XLA_PASSES")]:
-    del os.environ[_variable]  # this benchmark switches the passes itself
+import jax
 
-import argparse  # noqa: E402
-import glob  # noqa: E402
-import logging  # noqa: E402
-import platform  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-
-import jax  # noqa: E402
-
-import hlo_tools  # noqa: E402
-import xla_passes.jax  # noqa: E402
-from hlo_tools import proto_patch, xla_bridge  # noqa: E402
-from hlo_tools.parser import garbage_collection_paused  # noqa: E402
-from hlo_tools.verifier import verify_edits, verify_module  # noqa: E402
-from xla_passes import Pipeline  # noqa: E402
-from xla_passes.configuration import Settings  # noqa: E402
-from xla_passes.training import NO_XLA_COMBINER, build_flax_training, compile_step, hand_back_hook  # noqa: E402
+import hlo_tools
+import xla_passes.jax
+from hlo_tools import proto_patch, xla_bridge
+from hlo_tools.parser import garbage_collection_paused
+from hlo_tools.verifier import verify_edits, verify_module
+from xla_passes import Pipeline
+from xla_passes.configuration import Settings
+from xla_passes.training import (NO_XLA_COMBINER, build_flax_training, compile_step, hand_back_hook,
+                                 use_cpu_devices)
 
 PASSES = "collective-fusion"
 
@@ -223,6 +216,7 @@ def hook_phase_table(layers: int, runs: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    use_cpu_devices(8)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8, help="Dense layers of the step-time model")
     parser.add_argument("--steps", type=int, default=50, help="timed steps per configuration and round")

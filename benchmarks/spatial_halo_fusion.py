@@ -16,30 +16,25 @@ alike). Run from the repository root: ``.venv/bin/python benchmarks/spatial_halo
 """
 import argparse
 import os
+import statistics
 import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import hlo_tools
+import xla_passes
+from hlo_tools import runner
+from xla_passes.training import use_cpu_devices
 
 sys.path.insert(0, os.path.dirname(__file__))
-# Its import asks for 4 CPU devices; the flag appended below comes later and wins (XLA reads
-# XLA_FLAGS when jax first touches the backend).
 from spatial_partitioning import permutes  # noqa: E402
 
 _pre = argparse.ArgumentParser(add_help=False)
 _pre.add_argument("--devices", type=int, default=8)
 DEVICES = _pre.parse_known_args()[0].devices
-os.environ["XLA_FLAGS"] = " ".join(
-    [os.environ.get("XLA_FLAGS", ""), f"--xla_force_host_platform_device_count={DEVICES}"]).strip()
-os.environ["JAX_PLATFORMS"] = "cpu"
-
-import statistics  # noqa: E402
-import time  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-import hlo_tools  # noqa: E402
-import xla_passes  # noqa: E402
-from hlo_tools import runner  # noqa: E402
 
 
 def ring_shifts(elements: int, chain: int) -> str:
@@ -131,6 +126,7 @@ def fusion_sweep(args):
 
 
 def main():
+    use_cpu_devices(DEVICES)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], parents=[_pre])
     parser.add_argument("--size", type=int, default=32)
     parser.add_argument("--channels", type=int, default=8)

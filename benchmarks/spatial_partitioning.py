@@ -18,25 +18,20 @@ all alike), and the largest difference of the outputs from the single-device ste
 
 Run from the repository root: ``.venv/bin/python benchmarks/spatial_partitioning.py``.
 """
-import os
+import argparse
+import re
+import statistics
+import time
 
-os.environ["XLA_FLAGS"] = " ".join(
-    [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=4"]).strip()
-os.environ["JAX_PLATFORMS"] = "cpu"
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-import argparse  # noqa: E402
-import re  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
-
-import hlo_tools  # noqa: E402
-import xla_passes  # noqa: E402
-from hlo_tools import runner  # noqa: E402
+import hlo_tools
+import xla_passes
+from hlo_tools import runner
+from xla_passes.training import use_cpu_devices
 
 DEVICES = 4
 _PERMUTE = re.compile(r"= (\S+) collective-permute(?:-start)?\(")
@@ -65,6 +60,7 @@ def permutes(optimized_text: str) -> tuple[int, int]:
 
 
 def main():
+    use_cpu_devices(DEVICES)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--channels", type=int, default=16)

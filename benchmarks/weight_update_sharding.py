@@ -35,30 +35,22 @@ all-gathered (all-gathering Adam's two moments as well triples the all-gather's 
 
 Run from the repository root: ``.venv/bin/python benchmarks/weight_update_sharding.py``.
 """
+import argparse
 import os
+import platform
+import re
+import shlex
+import statistics
 import sys
+import time
 
-# XLA reads XLA_FLAGS once, when its CPU backend starts: set it before importing jax.
-os.environ["XLA_FLAGS"] = " ".join(
-    [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]).strip()
-os.environ["JAX_PLATFORMS"] = "cpu"
-for _variable in [name for name in os.environ if name.startswith("XLA_PASSES")]:
-    del os.environ[_variable]  # this benchmark switches the pass itself
+import numpy as np
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-import argparse  # noqa: E402
-import platform  # noqa: E402
-import re  # noqa: E402
-import shlex  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-
-import numpy as np  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
-
-from xla_passes.training import MLP, compile_step, compiled_costs, hand_back_hook  # noqa: E402
+from xla_passes.training import MLP, compile_step, compiled_costs, hand_back_hook, use_cpu_devices
 
 PASS = "weight-update-sharding"
 N = 8
@@ -165,6 +157,7 @@ def static_numbers(compiled) -> dict:
 
 
 def main(argv=None) -> None:
+    use_cpu_devices(N)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=1024, help="width of the Dense layers")
     parser.add_argument("--layers", type=int, default=4, help="Dense layers of width x width (plus a 16-class head)")

@@ -1742,50 +1742,37 @@ def _index(text) -> tuple:
 
 def parse_input_output_alias(text: str):
     """`{ {0}: (0, {}, may-alias), {1}: (1, {1}) }` -> [(output index, param, param index, kind)]."""
-    body = text.strip()
-    if not (body.startswith("{") and body.endswith("}")):
-        raise ValueError("expects '{' at the start of input_output_alias")
     item = re.compile(r"\s*" + _SHAPE_INDEX + r"\s*:\s*\(\s*(-?\d+)\s*,\s*" + _SHAPE_INDEX
                       + r"\s*(?:,\s*(may-alias|must-alias)\s*)?\)\s*(,|$)")
-    out, pos, inner = [], 0, body[1:-1]
-    while inner[pos:].strip():
-        m = item.match(inner, pos)
-        if not m:
-            raise ValueError(f"cannot parse '{inner[pos:].strip()[:40]}'")
-        out.append((_index(m.group(1)), int(m.group(2)), _index(m.group(3)), m.group(4) or "may-alias"))
-        pos = m.end()
-    return out
+    return [(_index(m.group(1)), int(m.group(2)), _index(m.group(3)), m.group(4) or "may-alias")
+            for m in _braced_items(text, item, "input_output_alias")]
 
 
 def _parse_buffer_donor(text: str):
-    body = text.strip()
-    if not (body.startswith("{") and body.endswith("}")):
-        raise ValueError("expects '{' at the start of buffer_donor")
     item = re.compile(r"\s*\(\s*(-?\d+)\s*,\s*" + _SHAPE_INDEX + r"\s*\)\s*(,|$)")
-    out, pos, inner = [], 0, body[1:-1]
-    while inner[pos:].strip():
-        m = item.match(inner, pos)
-        if not m:
-            raise ValueError(f"cannot parse '{inner[pos:].strip()[:40]}'")
-        out.append((int(m.group(1)), _index(m.group(2))))
-        pos = m.end()
-    return out
+    return [(int(m.group(1)), _index(m.group(2))) for m in _braced_items(text, item, "buffer_donor")]
 
 
 def _parse_instruction_aliasing(text: str):
     """`{{0}: (1, {}), {1}: (0, {0})}` -> [(output index, operand number, operand index)]."""
+    item = re.compile(r"\s*" + _SHAPE_INDEX + r"\s*:\s*\(\s*(-?\d+)\s*,\s*" + _SHAPE_INDEX + r"\s*\)\s*(,|$)")
+    return [(_index(m.group(1)), int(m.group(2)), _index(m.group(3)))
+            for m in _braced_items(text, item, "output_to_operand_aliasing")]
+
+
+def _braced_items(text: str, item: re.Pattern, attribute: str) -> list[re.Match]:
+    """The matches of `item`, one after another, that make up the braced list `text` of `attribute`."""
     body = text.strip()
     if not (body.startswith("{") and body.endswith("}")):
-        raise ValueError("expects '{' at the start of output_to_operand_aliasing")
-    item = re.compile(r"\s*" + _SHAPE_INDEX + r"\s*:\s*\(\s*(-?\d+)\s*,\s*" + _SHAPE_INDEX + r"\s*\)\s*(,|$)")
-    out, pos, inner = [], 0, body[1:-1]
+        raise ValueError(f"expects '{{' at the start of {attribute}")
+    matches, pos, inner = [], 0, body[1:-1]
     while inner[pos:].strip():
         m = item.match(inner, pos)
         if not m:
             raise ValueError(f"cannot parse '{inner[pos:].strip()[:40]}'")
-        out.append((_index(m.group(1)), int(m.group(2)), _index(m.group(3))))
+        matches.append(m)
         pos = m.end()
-    return out
+    return matches
 
 
 @functools.lru_cache(maxsize=64)

@@ -44,8 +44,7 @@ import numpy as np
 
 import hlo_tools
 import xla_passes
-import xla_passes.jax
-from hlo_tools import cli, report, runner, xla_bridge
+from hlo_tools import cli, report, runner
 from hlo_tools.stats import module_stats, xla_cost
 from xla_passes import training
 
@@ -280,10 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> int:
         if args.steps < 1 or args.rounds < 1:
             raise cli.CommandError("--steps and --rounds must be at least 1")
-        if not xla_bridge.configure_cpu_devices(training.N_DEVICES):
+        if not training.use_cpu_devices(training.N_DEVICES):  # the demo chooses each compile's passes
             raise cli.CommandError("JAX's backends already started: run the demo in a fresh process")
-        jax.config.update("jax_platforms", "cpu")
-        xla_passes.jax.disable()  # the demo chooses the passes of each compile, whatever XLA_PASSES says
         progress = Progress()
         results = run_demo(args, progress)
         print(format_table(results))

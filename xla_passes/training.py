@@ -24,6 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import hlo_tools
 import xla_passes.jax
+from hlo_tools import xla_bridge
 from hlo_tools.stats import module_stats
 
 N_DEVICES = 8
@@ -139,6 +140,19 @@ def compile_step(fn, args, passes: str | None, *, compiler_options: dict | None 
         return compiled, time.perf_counter() - start
     finally:
         xla_passes.jax.disable()
+
+
+def use_cpu_devices(count: int) -> bool:
+    """Set this process up as the demo and the benchmarks need it: `count` CPU devices, CPU only,
+    and passes only in the compiles that ask for them (whatever `XLA_PASSES` says).
+
+    Returns False when JAX's backends already started (too late to choose the device count).
+    """
+    if not xla_bridge.configure_cpu_devices(count):
+        return False
+    jax.config.update("jax_platforms", "cpu")
+    xla_passes.jax.disable()
+    return True
 
 
 @contextlib.contextmanager
