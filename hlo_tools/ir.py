@@ -584,6 +584,10 @@ class HloModule:
         self.sigils = True                     # names printed with `%`
         self.operand_shapes = True             # operands printed with their shapes
         self.signatures = True                 # computations printed with `(params) -> shape`
+        # Whether the layouts are XLA's final ones (a module from after its layout assignment, as
+        # JAX's pass hook hands it over): new instructions must then have layouts XLA runs as they
+        # are. Text does not say it (XLA keeps it in the module's config); whoever knows sets it.
+        self.layouts_final = False
         self._names: set[str] = set()
         self._unclaimed: list[HloComputation] = []  # unparsed computations whose names _names lacks
         self._source = None

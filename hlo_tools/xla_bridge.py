@@ -117,6 +117,8 @@ def same_meaning(text_a: str, text_b: str) -> bool:
 #     are switched off through DebugOptions.xla_disable_hlo_passes; XLA then
 #     compiles the module as written, once per partition.
 
+import threading as _threading
+
 import numpy as _np
 
 # XLA passes that partition a module; switched off for per-device modules.
@@ -409,6 +411,67 @@ def compile_module(module, platform: str, devices: list, process_index: int, *,
     except Exception as exc:  # noqa: BLE001 - XlaRuntimeError, ValueError, ...
         raise XlaBridgeError(f"XLA could not compile the module: {_xla_message(exc)}") from exc
     return Executable(loaded, devices, process_index)
+
+
+# --- Compiling a module XLA has already optimized ---------------------------------------------
+#
+# jaxlib 0.10.2 compiles only from StableHLO, and the conversion from HLO drops what a module
+# gets late in XLA's pipeline (layouts, fusion kinds and backend configs, the schedule). A
+# module that a pass hook receives is compiled the way XLA compiles it after that hook: a
+# stand-in with the same entry signature goes through XLA's pipeline, and a hook at the same
+# stage replaces it by the module's own bytes, from which XLA continues (scheduling, buffer
+# assignment, code generation). Compiling from inside another hook deadlocks (XLA holds its
+# compile locks there): callers in a hook run this in a child process.
+
+_swap_lock = _threading.Lock()
+
+
+def _stand_in_text(program_shape) -> str:
+    """HLO text of a module that takes `program_shape`'s parameters and returns zeros of its result."""
+    lines, counter = [], iter(range(1 << 30))
+
+    def value(shape) -> str:
+        name = f"v{next(counter)}"
+        if shape.is_tuple():
+            elements = [value(e) for e in shape.tuple_shapes()]
+            lines.append(f"{name} = {shape} tuple({', '.join(elements)})")
+        elif shape.is_token():
+            lines.append(f"{name} = token[] after-all()")
+        else:
+            zero, text = f"z{name}", str(shape)
+            lines.append(f"{zero} = {text[:text.index('[')]}[] constant(0)")
+            lines.append(f"{name} = {text} broadcast({zero}), dimensions={{}}")
+        return name
+
+    parameters = [f"p{i} = {s} parameter({i})" for i, s in enumerate(program_shape.parameter_shapes())]
+    root = value(program_shape.result_shape())
+    body = parameters + lines[:-1] + ["ROOT " + lines[-1]]
+    return "HloModule stand_in\n\nENTRY stand_in {\n  " + "\n  ".join(body) + "\n}\n"
+
+
+def compile_optimized_module(proto: bytes, platform: str, devices: list, process_index: int, *,
+                             num_replicas: int, num_partitions: int, stage: str = "pre_scheduler") -> Executable:
+    """Compile serialized module bytes that XLA produced at pipeline `stage` ("pre_scheduler":
+    laid out and fused, as JAX's pass hook gets it; "post_scheduler": scheduled too), from that
+    stage on, for ``devices`` (see the section comment)."""
+    from jax.extend import xla as _jax_xla  # noqa: PLC0415
+
+    program_shape = _xc.XlaComputation(bytes(proto)).program_shape()
+    stand_in = xla_parse(_stand_in_text(program_shape))
+    name = f"hlo_tools_swap_{id(proto)}"
+    hook_stage = _jax_xla.PipelineStage[stage.upper()]
+
+    def swap(_module_bytes):
+        return bytes(proto)
+
+    with _swap_lock:  # one swap hook at a time: every compile while it is registered gets `proto`
+        _jax_xla.register_hlo_module_transformation(swap, name=name, stage=hook_stage, platforms=platform)
+        try:
+            return compile_module(stand_in, platform, devices, process_index, num_replicas=num_replicas,
+                                  num_partitions=num_partitions,
+                                  partitioner="prepartitioned" if num_partitions > 1 else "none")
+        finally:
+            _jax_xla.clear_hlo_module_transformation(name, hook_stage, platforms=platform)
 
 
 def gather_from_processes(per_device: dict[int, _np.ndarray], devices: list,

@@ -249,7 +249,7 @@ def rewrite_module(module_proto: bytes, settings: Settings) -> bytes | None:
     name = "<unparsed>"
     start = time.perf_counter()
     try:
-        pipeline = Pipeline(settings.passes, dump_to=settings.dump_to, module_number=number)
+        pipeline = Pipeline(settings.passes, dump_to=settings.dump_to, module_number=number, layouts_final=True)
         if not settings.dump_to and not pipeline.could_change(functools.partial(proto_patch.opcode_count, module_proto)):
             logger.info("xla_passes: module_%04d %s: skipped, nothing the passes act on, in %.1f ms", number,
                         proto_patch.module_name(module_proto), 1e3 * (time.perf_counter() - start))

@@ -26,6 +26,7 @@ from hlo_tools.cli import write_atomically
 from hlo_tools.dump import module_file_name
 from hlo_tools.verifier import verify_edits, verify_module
 
+from .collectives import DIMENSIONED_COLLECTIVES, layout_problem
 from .core import HloPass, PassError, pass_class
 
 FIXED_POINT = "fixed-point"
@@ -68,15 +69,20 @@ class Pipeline:
       dump_to: directory for `module_NNNN.<name>.before_xla_passes.txt` and one
         `module_NNNN.<name>.KKKK.after_<pass>.txt` per pass that ran.
       module_number: the NNNN of the dump file names.
+      layouts_final: the module comes after XLA's layout assignment (JAX's pass hook), so the
+        layouts of new collectives are what XLA runs: a pass that leaves a gather or scatter
+        along a dimension its layout does not make most major fails (`layout_problem`).
     """
 
-    def __init__(self, passes, *, verify: bool | str = True, dump_to: str | None = None, module_number: int = 0):
+    def __init__(self, passes, *, verify: bool | str = True, dump_to: str | None = None, module_number: int = 0,
+                 layouts_final: bool = False):
         if verify not in VERIFY_CHOICES:
             raise PassError(f"verify={verify!r}: expected True, {FULL!r} or False")
         self.passes = parse_pipeline(passes) if isinstance(passes, str) else list(passes)
         self.verify = verify
         self.dump_to = dump_to
         self.module_number = module_number
+        self.layouts_final = layouts_final
         self.log: list[PassRun] = []
 
     def __str__(self) -> str:
@@ -86,6 +92,7 @@ class Pipeline:
         """Run every pass on `module` in place; return whether any changed it."""
         self.log = []
         self._dump_count = 0
+        module.layouts_final |= self.layouts_final
         if self.dump_to:
             self._dump(module, "before_xla_passes")
         return self._run_list(self.passes, module)
@@ -114,6 +121,8 @@ class Pipeline:
             changed = bool(hlo_pass.run(module))
             if changed and self.verify:
                 _verify_after(hlo_pass, module, full=self.verify == FULL)
+            if changed and module.layouts_final:
+                _check_collective_layouts(hlo_pass, module)
         except BaseException as exc:
             restore(module, snapshot)
             if isinstance(exc, PassError):
@@ -174,9 +183,17 @@ def _verify_after(hlo_pass: HloPass, module: HloModule, full: bool) -> None:
         raise PassError(f"produced an invalid module: {exc.message}", hlo_pass.name, exc.instruction) from exc
 
 
+def _check_collective_layouts(hlo_pass: HloPass, module: HloModule) -> None:
+    for instr in module.instructions_mentioning(DIMENSIONED_COLLECTIVES):
+        problem = layout_problem(instr)
+        if problem:
+            raise PassError(f"produced a collective XLA would run wrongly: {problem}", hlo_pass.name, instr.name)
+
+
 def restore(module: HloModule, text: str) -> None:
     """Make `module` (the same object) hold the module printed as `text` again."""
     fresh = hlo_tools.parse_module(text)
+    fresh.layouts_final = module.layouts_final  # not in the text
     module.__dict__.clear()
     module.__dict__.update(fresh.__dict__)
     for comp in module.computations:

@@ -61,7 +61,7 @@ from hlo_tools.opcodes import ELEMENTWISE, has_side_effect
 from hlo_tools.shape import FLOAT_DTYPES
 from hlo_tools.shape_inference import infer_shape
 
-from ..collectives import reducer_opcode
+from ..collectives import reducer_opcode, slices_are_contiguous
 from ..core import HloPass, register_pass
 from ..replica_groups import DeviceCounts
 from ..replication_analysis import SDY_SHARDING_VALUE, REPLICA_IDS, ReplicationAnalysis, parse_sdy_meshes, participants
@@ -207,12 +207,21 @@ class _Plan:
         return _with_layout_like(Shape.array(shape.dtype, self.shard_dims), shape)
 
 
-def _choose_plan(shape: Shape, group_size: int) -> _Plan:
-    """Split the most major dimension that divides evenly (contiguous shards); else flatten."""
+def _choose_plan(shape: Shape, group_size: int, collective_shapes: list[Shape]) -> _Plan:
+    """Split the most major dimension that divides evenly; else flatten.
+
+    In a module whose layouts are final, `collective_shapes` are the laid-out shapes the
+    reduce-scatter and all-gathers will read and write: a dimension qualifies only where it
+    makes contiguous slices in every one of them (`slices_are_contiguous`), since after layout
+    assignment nobody fixes the layout of a new collective (elsewhere pass []). A flattened
+    shard is contiguous whatever the layout: reshaping a laid-out array to one dimension follows
+    its logical order, which XLA does as a bitcast where it can.
+    """
     dims = shape.dims
     major_to_minor = tuple(reversed(shape.layout.minor_to_major)) if shape.layout else tuple(range(len(dims)))
     for dim in major_to_minor:
-        if dims[dim] >= group_size and dims[dim] % group_size == 0:
+        if (dims[dim] >= group_size and dims[dim] % group_size == 0
+                and all(slices_are_contiguous(s, dim) for s in collective_shapes)):
             return _Plan(dims, group_size, dim)
     return _Plan(dims, group_size, None)
 
@@ -285,7 +294,7 @@ class _ComputationSharder:
                 _inline_fusion(fusion)
             unfused = True
         for region in regions:
-            self._judge(region)
+            self._judge(region, chains)
         accepted = [r for r in regions if r.plan is not None]
         if accepted:
             self._rewrite(accepted, chains)
@@ -421,7 +430,7 @@ class _ComputationSharder:
             return True
         return user.opcode in _FORWARDING and bool(user.users) and all(self._leaves_step(u) for u in user.users)
 
-    def _judge(self, region: _Region) -> None:
+    def _judge(self, region: _Region, chains: dict[_Leaf, list[_Leaf]]) -> None:
         """Set the region's plan, or find why it stays replicated; record the report."""
         shape = region.tops[0].shape
         group_size = len(region.key[1][0]) if region.key else 0
@@ -429,7 +438,11 @@ class _ComputationSharder:
         if not reason and not region.sliced:
             reason = "no update: the gradient is not combined with weights or optimizer state"
         if not reason:
-            region.plan = _choose_plan(shape, group_size)
+            collective_shapes = []
+            if self.module.layouts_final:
+                collective_shapes = [leaf.operand.shape for top in region.tops for leaf in chains[top]]
+                collective_shapes += [member.shape for member in region.members]
+            region.plan = _choose_plan(shape, group_size, collective_shapes)
         plan = region.plan
         report = WeightReport(
             computation=self.comp.name, gradient=", ".join(t.describe() for t in region.tops),

@@ -1,0 +1,147 @@
+"""Worker for tests/test_real_models.py: library models trained data parallel, with no change for the passes.
+
+    python tests/real_model_worker.py MODEL OUT.npz [--steps N]
+
+MODEL is one of `MODELS`: Keras 3 applications (JAX backend, `DataParallel`
+over the 8 CPU devices, `train_on_batch`) and a Flax BatchNorm ResNet (optax,
+`jax.jit` with `NamedSharding`: parameters replicated, batch split). Each trains
+N steps on the same seeded data and saves the per-step losses and every final
+weight (model variables, BatchNorm statistics, optimizer state) to OUT.npz.
+
+Nothing here imports `xla_passes`: whether a pass runs is decided by the
+XLA_PASSES environment variable alone, read by the JAX plugin when the backend
+starts. The caller sets XLA_FLAGS=--xla_force_host_platform_device_count=8. The
+"xla_passes" logger goes to stderr at INFO, so that the caller can see which
+modules a pass changed and what weight-update-sharding did with each weight.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import os
+import sys
+
+import numpy as np
+
+IMAGE_SHAPE = (32, 32, 3)
+CLASSES = 10
+BATCH = 16  # 2 images per device
+
+
+def batches(steps: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """`steps` batches of standard normal images and random labels, the same in every run."""
+    rng = np.random.default_rng(0)
+    return [(rng.standard_normal((BATCH, *IMAGE_SHAPE), dtype=np.float32),
+             rng.integers(0, CLASSES, size=BATCH, dtype=np.int32)) for _ in range(steps)]
+
+
+def train_keras(application: str, make_optimizer, steps: int) -> dict[str, np.ndarray]:
+    """A `keras.applications` model at 32x32 and 10 classes, trained with `train_on_batch`.
+
+    `make_optimizer(keras)` returns the optimizer.
+    """
+    os.environ["KERAS_BACKEND"] = "jax"
+    import jax
+    import keras
+
+    keras.utils.set_random_seed(0)
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=jax.devices()))
+    model = getattr(keras.applications, application)(weights=None, input_shape=IMAGE_SHAPE, classes=CLASSES)
+    model.compile(optimizer=make_optimizer(keras), loss="sparse_categorical_crossentropy")
+    losses = [model.train_on_batch(images, labels) for images, labels in batches(steps)]
+    result = {"losses": np.asarray(losses, dtype=np.float32)}
+    for variable in [*model.weights, *model.optimizer.variables]:
+        result[variable.path] = np.asarray(variable.value)
+    return result
+
+
+def train_flax_resnet(steps: int) -> dict[str, np.ndarray]:
+    """A small BatchNorm ResNet in Flax linen, AdamW from optax, the step under `jax.jit` with shardings."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    class ResidualBlock(nn.Module):
+        """Two 3x3 convolutions with BatchNorm; a 1x1 projection where the shape changes."""
+
+        features: int
+        strides: int = 1
+
+        @nn.compact
+        def __call__(self, x, train: bool):
+            norm = functools.partial(nn.BatchNorm, use_running_average=not train, momentum=0.9)
+            y = nn.relu(norm()(nn.Conv(self.features, (3, 3), self.strides, use_bias=False)(x)))
+            y = norm()(nn.Conv(self.features, (3, 3), use_bias=False)(y))
+            if x.shape != y.shape:
+                x = norm()(nn.Conv(self.features, (1, 1), self.strides, use_bias=False)(x))
+            return nn.relu(x + y)
+
+    class SmallResNet(nn.Module):
+        """A 3x3 stem and one residual block per stage, halving the resolution after the first."""
+
+        stage_widths: tuple[int, ...] = (16, 32, 64)
+
+        @nn.compact
+        def __call__(self, x, train: bool):
+            x = nn.Conv(self.stage_widths[0], (3, 3), use_bias=False)(x)
+            x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9)(x))
+            for stage, width in enumerate(self.stage_widths):
+                x = ResidualBlock(width, strides=1 if stage == 0 else 2)(x, train)
+            return nn.Dense(CLASSES)(jnp.mean(x, axis=(1, 2)))
+
+    model = SmallResNet()
+    optimizer = optax.adamw(1e-3, weight_decay=1e-2)
+    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    replicated, batch_split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+
+    def train_step(params, batch_stats, opt_state, images, labels):
+        def loss_fn(params):
+            logits, updates = model.apply({"params": params, "batch_stats": batch_stats}, images, train=True,
+                                          mutable=["batch_stats"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), updates["batch_stats"]
+
+        (loss, batch_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), batch_stats, opt_state, loss
+
+    step = jax.jit(train_step, in_shardings=(replicated,) * 3 + (batch_split,) * 2, out_shardings=replicated)
+    variables = model.init(jax.random.key(0), jnp.zeros((1, *IMAGE_SHAPE)), train=False)
+    state = jax.device_put((variables["params"], variables["batch_stats"]), replicated)
+    state = (*state, jax.device_put(optimizer.init(state[0]), replicated))
+    losses = []
+    for images, labels in batches(steps):
+        *state, loss = step(*state, images, labels)
+        losses.append(float(loss))
+    result = {"losses": np.asarray(losses, dtype=np.float32)}
+    for tree_name, tree in zip(("params", "batch_stats", "opt_state"), state):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            result[tree_name + jax.tree_util.keystr(path)] = np.asarray(leaf)
+    return result
+
+
+MODELS = {
+    "keras-resnet50": functools.partial(train_keras, "ResNet50", lambda keras: keras.optimizers.Adam(1e-3)),
+    "keras-efficientnetb0": functools.partial(train_keras, "EfficientNetB0",
+                                              lambda keras: keras.optimizers.SGD(0.01, momentum=0.9)),
+    "flax-resnet": train_flax_resnet,
+}
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model", choices=sorted(MODELS))
+    parser.add_argument("out")
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args(argv)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(name)s %(levelname)s %(message)s"))
+    logging.getLogger("xla_passes").addHandler(handler)
+    logging.getLogger("xla_passes").setLevel(logging.INFO)
+    np.savez(args.out, **MODELS[args.model](args.steps))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
