@@ -10,6 +10,7 @@ over its variable):
 | stage   | XLA_PASSES_STAGE   | --xla_passes_stage     |
 | dump_to | XLA_PASSES_DUMP_TO | --xla_passes_dump_to   |
 | strict  | XLA_PASSES_STRICT  | --xla_passes_strict    |
+| check   | XLA_PASSES_CHECK   | --xla_passes_check     |
 
 One module reads them so that the JAX plugin and the TensorFlow adapter agree
 on what a setting means. Nothing here imports JAX, TensorFlow or absl.
@@ -37,8 +38,10 @@ SOURCES = {
     "stage": ("XLA_PASSES_STAGE", "xla_passes_stage"),
     "dump_to": ("XLA_PASSES_DUMP_TO", "xla_passes_dump_to"),
     "strict": ("XLA_PASSES_STRICT", "xla_passes_strict"),
+    "check": ("XLA_PASSES_CHECK", "xla_passes_check"),
 }
 STRICT_VARIABLE = SOURCES["strict"][0]
+CHECK_VARIABLE = SOURCES["check"][0]
 
 _TRUE_WORDS = ("1", "true", "yes", "on")
 _FALSE_WORDS = ("", "0", "false", "no", "off")
@@ -65,6 +68,7 @@ class Settings:
     dump_to: str | None = None
     strict: bool = False
     platforms: tuple[str, ...] | str | None = ALL_PLATFORMS
+    check: bool = False      # translation validation of every changed module (xla_passes.validation)
 
     def __post_init__(self):
         platforms = ALL_PLATFORMS if self.platforms is None else self.platforms
@@ -120,23 +124,25 @@ def settings_from(values: Mapping[str, tuple[object, str]]) -> Settings | None:
 
     `where` (`XLA_PASSES`, `--xla_passes`, ...) is for error messages.
     """
-    strict = _strict(values)
+    strict = _yes_no(values, "strict", strict=True)
+    check = _yes_no(values, "check", strict)
     passes, _ = values.get("passes", ("", ""))
     if not str(passes).strip():
         return None
     stage, _ = values.get("stage", (PRE_SCHEDULER, ""))
     dump_to, _ = values.get("dump_to", (None, ""))
     try:
-        return Settings(str(passes), stage=str(stage), dump_to=dump_to, strict=strict)
+        return Settings(str(passes), stage=str(stage), dump_to=dump_to, strict=strict, check=check)
     except PassError as exc:
         given = " ".join(f"{where}={value!r}" for value, where in
                          (values[s] for s in ("passes", "stage") if s in values))
         raise ConfigurationError(f"{given}: {exc}", strict) from exc
 
 
-def _strict(values: Mapping[str, tuple[object, str]]) -> bool:
-    """The strict setting; a value that is neither yes nor no is an error, raised strictly."""
-    value, where = values.get("strict", (False, ""))
+def _yes_no(values: Mapping[str, tuple[object, str]], setting: str, strict: bool) -> bool:
+    """A yes/no setting; a value that is neither is an error (raised when `strict`: a bad
+    strict setting itself counts as strict)."""
+    value, where = values.get(setting, (False, ""))
     if isinstance(value, bool):
         return value
     lowered = str(value).strip().lower()
@@ -144,4 +150,4 @@ def _strict(values: Mapping[str, tuple[object, str]]) -> bool:
         return True
     if lowered in _FALSE_WORDS:
         return False
-    raise ConfigurationError(f"{where}={value!r} is not a yes/no value (use 1 or 0)", strict=True)
+    raise ConfigurationError(f"{where}={value!r} is not a yes/no value (use 1 or 0)", strict=strict)

@@ -1,4 +1,5 @@
-"""absl flags: `--xla_passes`, `--xla_passes_stage`, `--xla_passes_dump_to`, `--xla_passes_strict`.
+"""absl flags: `--xla_passes`, `--xla_passes_stage`, `--xla_passes_dump_to`, `--xla_passes_strict`,
+`--xla_passes_check`.
 
 An absl program (a Flax example's `main.py`, say) imports this module beside
 its own flags and changes nothing else::
@@ -49,8 +50,13 @@ XLA_PASSES_STRICT = flags.DEFINE_bool(
     "Fail the compile when a pass fails, instead of compiling the original module "
     "(default: XLA_PASSES_STRICT).")
 
+XLA_PASSES_CHECK = flags.DEFINE_bool(
+    "xla_passes_check", None,
+    "Run every module the passes changed against the original on random inputs before XLA gets "
+    "it, and keep the original when they differ (default: XLA_PASSES_CHECK).")
+
 _HOLDERS = {"passes": XLA_PASSES, "stage": XLA_PASSES_STAGE, "dump_to": XLA_PASSES_DUMP_TO,
-            "strict": XLA_PASSES_STRICT}
+            "strict": XLA_PASSES_STRICT, "check": XLA_PASSES_CHECK}
 
 
 def _given(value_of) -> dict[str, tuple[object, str]]:
@@ -65,7 +71,7 @@ def given_values() -> dict[str, tuple[object, str]]:
 
 
 def _apply_flags(values: dict) -> bool:
-    """absl's check of the four flags: refuse bad values, and switch the passes in JAX.
+    """absl's check of the flags: refuse bad values, and switch the passes in JAX.
 
     Runs after absl parsed the command line and whenever one of the flags is
     assigned. JAX's settings change only when a flag is given and JAX is

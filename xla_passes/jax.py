@@ -48,10 +48,12 @@ import hlo_tools
 from hlo_tools import proto_patch, xla_bridge
 from hlo_tools.parser import garbage_collection_paused
 
-from .configuration import (ALL_PLATFORMS, PRE_SCHEDULER, STRICT_VARIABLE, ConfigurationError, Settings,
-                            configured_settings)
+from . import validation
+from .configuration import (ALL_PLATFORMS, CHECK_VARIABLE, PRE_SCHEDULER, STRICT_VARIABLE, ConfigurationError,
+                            Settings, configured_settings)
 from .core import PassError
 from .pipeline import Pipeline
+from .replica_groups import inferred_device_counts
 
 logger = logging.getLogger("xla_passes")
 
@@ -92,7 +94,8 @@ class _PreviousSettings:
 
 
 def enable(passes: str, *, stage: str = PRE_SCHEDULER, dump_to: str | None = None,
-           strict: bool = False, platforms: str | Sequence[str] | None = None) -> _PreviousSettings:
+           strict: bool = False, platforms: str | Sequence[str] | None = None,
+           check: bool = False) -> _PreviousSettings:
     """Run `passes` in every XLA compile from now on, replacing any earlier settings.
 
     Args:
@@ -104,6 +107,9 @@ def enable(passes: str, *, stage: str = PRE_SCHEDULER, dump_to: str | None = Non
       strict: make a failing pass fail the compile instead of logging a warning.
       platforms: a platform name or names ("cpu", "cuda", "rocm", "tpu");
         None means all of them.
+      check: run every module the passes changed against the original on
+        random inputs before XLA gets it (CPU compiles; `xla_passes.validation`),
+        and keep the original, with a warning, when they differ.
 
     Returns:
       A context manager that puts the previous settings back on exit; ignore it
@@ -113,7 +119,7 @@ def enable(passes: str, *, stage: str = PRE_SCHEDULER, dump_to: str | None = Non
       PassError: bad pipeline text (the message lists the valid passes) or stage, or a pass that
         cannot run in JAX's compile (`HloPass.runs_at_jax_hook`, e.g. spatial-partitioning).
     """
-    settings = Settings(passes, stage=stage, dump_to=dump_to, strict=strict, platforms=platforms)
+    settings = Settings(passes, stage=stage, dump_to=dump_to, strict=strict, platforms=platforms, check=check)
     check_hook_passes(settings)
     previous = _active
     _switch(settings)
@@ -236,14 +242,16 @@ def _transform(stage: str, platform: str, module_proto: bytes) -> bytes | None:
     settings = _active
     if settings is None or settings.stage != stage or platform not in settings.platforms:
         return None
-    return rewrite_module(module_proto, settings)
+    return rewrite_module(module_proto, settings, platform)
 
 
-def rewrite_module(module_proto: bytes, settings: Settings) -> bytes | None:
+def rewrite_module(module_proto: bytes, settings: Settings, platform: str = "cpu") -> bytes | None:
     """Run the pipeline of `settings` on one serialized module; None when nothing changed.
 
     A failure returns None after one warning, so that XLA compiles the original
-    module, or raises when `settings.strict`.
+    module, or raises when `settings.strict`. With `settings.check`, so does a
+    rewritten module that computes something else than the original
+    (`xla_passes.validation`; CPU compiles only).
     """
     number = next_module_number()
     name = "<unparsed>"
@@ -268,6 +276,8 @@ def rewrite_module(module_proto: bytes, settings: Settings) -> bytes | None:
             if changed:  # XLA re-parses only the entry's edits when nothing else changed
                 result = (proto_patch.patched_module_proto(module_proto, module, xla_bridge.text_to_proto)
                           or xla_bridge.text_to_proto(module.to_text()))
+            if changed and settings.check:
+                _check(module_proto, result, module, pipeline, settings, platform)
     except Exception as exc:
         if settings.strict:
             raise
@@ -279,6 +289,60 @@ def rewrite_module(module_proto: bytes, settings: Settings) -> bytes | None:
                 f"changed by {', '.join(changed_by)}" if changed_by else "unchanged",
                 1e3 * (time.perf_counter() - start))
     return result
+
+
+def _check(original: bytes, rewritten: bytes, module, pipeline: Pipeline, settings: Settings,
+           platform: str) -> None:
+    """Translation validation of one rewrite (`xla_passes.validation`).
+
+    Raises:
+      PassError: the modules differ, or the check could not tell; names the first pass whose
+        output differs and the first differing output.
+    """
+    if platform != "cpu":
+        _warn_once(f"{CHECK_VARIABLE} checks CPU compiles only; {platform} modules go unchecked")
+        return
+    counts = inferred_device_counts(module)
+    if counts is None:
+        raise PassError(f"{CHECK_VARIABLE}: cannot tell how many devices the module runs on, so it cannot be "
+                        f"checked")
+    assume_all = any(getattr(p, "assume_replicated_parameters", False) for p in pipeline.all_passes())
+    replicated = validation.replicated_parameters(hlo_tools.parse_module(xla_bridge.proto_to_text(original),
+                                                                         lazy_bodies=True), assume_all)
+
+    def check(candidate: bytes) -> validation.Verdict:
+        return validation.check_rewrite(original, candidate, counts=counts, replicated=replicated,
+                                        stage=settings.stage)
+
+    verdict = check(rewritten)
+    if verdict.ok:
+        logger.info("xla_passes: %s: checked in %.1f s: %s", module.name, verdict.seconds, verdict.detail)
+        return
+    if not verdict.checked:
+        raise PassError(f"{CHECK_VARIABLE}: could not check the rewrite: {verdict.detail}")
+    culprit, verdict = _first_wrong_pass(original, settings, check) or (None, verdict)
+    raise PassError(f"{CHECK_VARIABLE}: the rewritten module computes something else than XLA's: "
+                    f"{verdict.detail}", culprit)
+
+
+def _first_wrong_pass(original: bytes, settings: Settings, check) -> tuple[str, "validation.Verdict"] | None:
+    """The first top-level item of the pipeline after which the module differs, and that verdict."""
+    module = hlo_tools.parse_module(xla_bridge.proto_to_text(original), lazy_bodies=True)
+    for item in Pipeline(settings.passes).passes:
+        if Pipeline([item], layouts_final=True).run(module):
+            verdict = check(xla_bridge.text_to_proto(module.to_text()))
+            if not verdict.ok:
+                return str(item), verdict
+    return None
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning("xla_passes: %s", message)
 
 
 def _entry_signature(module) -> list[str]:

@@ -4,6 +4,7 @@
     xla-opt --list-passes
     cat IN.hlo | xla-opt --passes=cse          # stdin to stdout
     xla-opt cases.hlo --split-input-file --passes=dce   # `// -----` separates modules
+    xla-opt step.hlo --passes=weight-update-sharding --check -o out.hlo   # run both, compare
 
 The output is written atomically and never over the input. Every failure is one
 line on stderr (`xla-opt: error: ...`) and exit status 1; usage errors exit 2.
@@ -14,9 +15,12 @@ import argparse
 import re
 import sys
 
+import numpy as np
+
 import hlo_tools
 from hlo_tools import cli
 
+from . import validation
 from .core import PassError, registered_passes
 from .pipeline import Pipeline
 
@@ -43,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="write the module before the pipeline and after each pass into DIR")
     parser.add_argument("--report", action="store_true",
                         help="print what passes that keep a report (weight-update-sharding) did, on stderr")
+    parser.add_argument("--check", action="store_true",
+                        help="run the module before and after the passes on the same random inputs (hlo-tools "
+                             "run's devices and conventions) and fail, writing nothing, when they differ")
     parser.add_argument("--regenerate", action="store_true",
                         help="print every instruction from the IR in XLA's style, not only the changed ones")
     return parser
@@ -89,7 +96,8 @@ def _without_leading_comments(text: str) -> str:
 
 
 def optimize(text: str, passes: str, *, path: str, split: bool = False, verify: bool = True,
-             dump_to: str | None = None, regenerate: bool = False, report: bool = False) -> str:
+             dump_to: str | None = None, regenerate: bool = False, report: bool = False,
+             check: bool = False) -> str:
     """The text of the module(s) in `text` after `passes` (CommandError on any failure)."""
     outputs = []
     for number, (chunk, offset) in enumerate(_chunks(text, split)):
@@ -101,12 +109,41 @@ def optimize(text: str, passes: str, *, path: str, split: bool = False, verify: 
             raise cli.located(_shifted(exc, offset), path) from exc
         if passes:
             pipeline = Pipeline(passes, verify=verify, dump_to=dump_to, module_number=number)
-            pipeline.run(module)
+            changed = pipeline.run(module)
+            if check and changed:
+                _check(chunk, module, pipeline)
             if report:
                 for line in pipeline.reports():
                     print(f"{module.name}: {line}", file=sys.stderr)
         outputs.append(_without_leading_comments(module.to_text(regenerate=regenerate)))
     return f"\n{SPLIT_MARKER}\n".join(out.rstrip("\n") + "\n" for out in outputs) if split else outputs[0]
+
+
+def _check(original: str, module: hlo_tools.HloModule, pipeline: Pipeline) -> None:
+    """Translation validation of an offline rewrite: both modules on the same global inputs
+    (replicated where the passes may assume it), compared within `validation`'s bounds."""
+    from hlo_tools import runner  # noqa: PLC0415 - compiles with XLA
+
+    rewritten = module.to_text()
+    assume_all = any(getattr(p, "assume_replicated_parameters", False) for p in pipeline.all_passes())
+    try:
+        loaded = runner.load_module(rewritten, module.name)
+        inputs = runner.random_inputs(loaded.global_signature())
+        if loaded.mode == "replica":  # slice i goes to replica i: replicated parameters get equal slices
+            for number in validation.replicated_parameters(hlo_tools.parse_module(original), assume_all):
+                inputs[number] = np.broadcast_to(inputs[number][:1], inputs[number].shape).copy()
+        outcome = runner.compare_modules(rewritten, original, inputs, isolate=True,
+                                         abs_error_bound=validation.ABS_ERROR_BOUND,
+                                         rel_error_bound=validation.REL_ERROR_BOUND)
+    except runner.RunError as exc:
+        raise cli.CommandError(f"--check: could not run {module.name}: {exc}") from exc
+    comparison = outcome[2]
+    if not comparison.ok:
+        first = comparison.mismatched[0].format() if comparison.mismatched else comparison.summary()
+        raise cli.CommandError(f"--check: {module.name} after {pipeline} computes something else than before: "
+                               f"{first}")
+    print(f"{PROG}: check: {module.name}: {comparison.summary().replace('the reference', 'the input module')}",
+          file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         text = cli.read_text(args.input)
         result = optimize(text, args.passes, path=path, split=args.split_input_file,
                           verify=args.verify, dump_to=args.dump_to, regenerate=args.regenerate,
-                          report=args.report)
+                          report=args.report, check=args.check)
         cli.write_output(result, args.output, args.input)
         return 0
     return cli.report_failures(PROG, body, (PassError,))

@@ -72,6 +72,52 @@ class DeviceCounts:
         return DeviceCounts(count("replica_count"), count("num_partitions"))
 
 
+# Collectives whose ids tell how many devices a module runs on (see `inferred_device_counts`).
+_ID_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
+                   "collective-broadcast")
+
+
+def inferred_device_counts(module: HloModule) -> DeviceCounts | None:
+    """The replica and partition counts of a per-device module: its header's, else what its
+    shardings and collectives show; None when they show nothing.
+
+    A module from JAX's pass hook has no header counts. Partitions: a tiled sharding names every
+    device; ids in flattened-id groups are global device ids; all-to-all, collective-permute and
+    collective-broadcast with a channel number partitions. Replicas: the ids of those without a
+    channel, and of the other collectives' groups in the two modes that number replicas. A
+    module without either runs on one device as it runs on each, unless it reads its device id.
+    """
+    stated = DeviceCounts.of(module)
+    if stated.replicas is not None and stated.partitions is not None:
+        return stated
+    most = {"replicas": 0, "partitions": 0, "devices": 0}
+    for instr in [*module.entry.parameters, module.entry.root]:
+        sharding = instr.attrs.get("sharding")
+        for leaf in (sharding.elements if sharding is not None and sharding.kind == "tuple" else [sharding]):
+            if leaf is not None and leaf.is_tiled:
+                most["partitions"] = max(most["partitions"], len(leaf.device_list()))
+    for instr in module.instructions_mentioning(_ID_COLLECTIVES):
+        if instr.opcode not in _ID_COLLECTIVES:
+            continue
+        if "source_target_pairs" in instr.attrs:
+            ids = [i for pair in instr.attrs["source_target_pairs"] for i in pair]
+        else:
+            ids = [i for group in (written_groups(instr) or []) for i in group]
+        if not ids:
+            continue
+        if instr.opcode in ("all-to-all", "collective-permute", "collective-broadcast"):
+            kind = "partitions" if instr.attrs.get("channel_id") is not None else "replicas"
+        else:
+            kind = "devices" if group_mode(instr) is GroupMode.FLATTENED_ID else "replicas"
+        most[kind] = max(most[kind], max(ids) + 1)
+    if not any(most.values()):  # devices that never talk: one runs what each runs, unless it asks who it is
+        ids = module.instructions_mentioning(("replica-id", "partition-id"))
+        return None if any(i.opcode in ("replica-id", "partition-id") for i in ids) else DeviceCounts(1, 1)
+    replicas = stated.replicas or max(most["replicas"], 1)
+    partitions = stated.partitions or max(most["partitions"], most["devices"] // replicas, 1)
+    return DeviceCounts(replicas, partitions)
+
+
 def written_groups(instr: HloInstruction) -> list[list[int]] | None:
     """The groups as written (iota form expanded): empty for `replica_groups={}` or none, None
     when the attribute is text the parser could not read."""
