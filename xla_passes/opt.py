@@ -22,7 +22,7 @@ from hlo_tools import cli
 
 from . import validation
 from .core import PassError, registered_passes
-from .pipeline import Pipeline
+from .pipeline import LAYOUTS_FINAL_NOTE, Pipeline
 
 PROG = "xla-opt"
 SPLIT_MARKER = "// -----"
@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="write the module before the pipeline and after each pass into DIR")
     parser.add_argument("--report", action="store_true",
                         help="print what passes that keep a report (weight-update-sharding) did, on stderr")
+    parser.add_argument("--layouts-final", action="store_true",
+                        help="the input comes after XLA's layout assignment (a dump from the JAX hook, whose "
+                             "header says so): new collectives must have layouts XLA can run as they are")
     parser.add_argument("--check", action="store_true",
                         help="run the module before and after the passes on the same random inputs (hlo-tools "
                              "run's devices and conventions) and fail, writing nothing, when they differ")
@@ -97,7 +100,7 @@ def _without_leading_comments(text: str) -> str:
 
 def optimize(text: str, passes: str, *, path: str, split: bool = False, verify: bool = True,
              dump_to: str | None = None, regenerate: bool = False, report: bool = False,
-             check: bool = False) -> str:
+             check: bool = False, layouts_final: bool = False) -> str:
     """The text of the module(s) in `text` after `passes` (CommandError on any failure)."""
     outputs = []
     for number, (chunk, offset) in enumerate(_chunks(text, split)):
@@ -108,7 +111,8 @@ def optimize(text: str, passes: str, *, path: str, split: bool = False, verify: 
         except (hlo_tools.HloParseError, hlo_tools.HloVerifyError) as exc:
             raise cli.located(_shifted(exc, offset), path) from exc
         if passes:
-            pipeline = Pipeline(passes, verify=verify, dump_to=dump_to, module_number=number)
+            pipeline = Pipeline(passes, verify=verify, dump_to=dump_to, module_number=number,
+                                layouts_final=layouts_final or LAYOUTS_FINAL_NOTE in chunk)
             changed = pipeline.run(module)
             if check and changed:
                 _check(chunk, module, pipeline)
@@ -159,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         text = cli.read_text(args.input)
         result = optimize(text, args.passes, path=path, split=args.split_input_file,
                           verify=args.verify, dump_to=args.dump_to, regenerate=args.regenerate,
-                          report=args.report, check=args.check)
+                          report=args.report, check=args.check, layouts_final=args.layouts_final)
         cli.write_output(result, args.output, args.input)
         return 0
     return cli.report_failures(PROG, body, (PassError,))

@@ -30,6 +30,9 @@ from .collectives import DIMENSIONED_COLLECTIVES, layout_problem
 from .core import HloPass, PassError, pass_class
 
 FIXED_POINT = "fixed-point"
+# The first line of every dump of a module whose layouts are final; xla-opt reads it back.
+LAYOUTS_FINAL_NOTE = "xla_passes: layouts final (after XLA's layout assignment)"
+
 # Pipeline(verify=...): every edit since parsing (True), the whole module (FULL), nothing (False).
 FULL = "full"
 VERIFY_CHOICES = (True, FULL, False)
@@ -160,6 +163,8 @@ class Pipeline:
             self._dump_count += 1
             step = f"{self._dump_count:04d}."
         name = module_file_name(self.module_number, module.name, f"{step}{what}.txt")
+        if module.layouts_final:
+            notes = [LAYOUTS_FINAL_NOTE, *notes]
         header = "".join(f"// {line}\n" for line in notes)
         write_atomically(os.path.join(self.dump_to, name), header + module.to_text())
 
