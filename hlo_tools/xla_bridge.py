@@ -494,3 +494,58 @@ def gather_from_processes(per_device: dict[int, _np.ndarray], devices: list,
             (len(devices),) + tuple(sample.shape), sharding, buffers)
         gathered = _np.asarray(multihost_utils.process_allgather(array, tiled=True))
     return {i: gathered[i] for i in range(len(devices))}
+
+
+# --- JAX's lowered programs (xla_passes.jax.jit) --------------------------------------------------
+#
+# `jax.jit(f).lower(...)` keeps the program as a StableHLO MLIR module and the arguments of its
+# compile (shardings, donation, device list) beside it. Replacing that module by a rewritten one
+# lets JAX compile it exactly as it compiles its own: same options, donation (the HLO's
+# `input_output_alias` becomes the MLIR's `mhlo.input_output_alias`), and `jax.Array`s in and
+# out. The attributes used here are JAX-internal (`Lowered._lowering`: `_hlo`, `compile_args`).
+
+
+def lowered_module_text(lowered) -> str:
+    """The HLO text (every constant printed) of a `jax.stages.Lowered` program."""
+    return proto_to_text(lowered.compiler_ir("hlo").as_serialized_hlo_module_proto())
+
+
+def with_lowered_module(lowered, text: str, *, resharded_parameters=(), resharded_outputs=()):
+    """A copy of `lowered` that compiles the HLO module `text` instead of its own.
+
+    `resharded_parameters` and `resharded_outputs` are the entry parameters and result leaves
+    whose sharding the module changed: JAX then takes their shardings from the compiled
+    executable instead of insisting on the ones it lowered with. `lowered` itself is left as it
+    is: JAX caches lowerings, and a plain `jax.jit` of the same function may be handed it.
+    """
+    import copy  # noqa: PLC0415
+
+    from jax._src.lib.mlir import ir  # noqa: PLC0415
+    from jax._src.sharding_impls import UNSPECIFIED  # noqa: PLC0415
+
+    lowered = copy.copy(lowered)
+    lowering = lowered._lowering = copy.copy(lowered._lowering)
+    lowering._executable = None
+    lowering.compile_args = dict(lowering.compile_args)
+    computation = _xc.XlaComputation(xla_parse(text).as_serialized_hlo_module_proto())
+    try:
+        mlir_text = _xc._xla.mlir.xla_computation_to_mlir_module(computation)
+    except Exception as exc:  # noqa: BLE001 - XlaRuntimeError and friends
+        raise XlaBridgeError(f"XLA could not convert the module to StableHLO: {_xla_message(exc)}") from exc
+    with lowering._hlo.context:
+        lowering._hlo = ir.Module.parse(mlir_text)
+    args = lowering.compile_args
+    for key, indices in (("in_shardings", resharded_parameters), ("out_shardings", resharded_outputs)):
+        shardings = list(args[key])
+        for index in indices:
+            shardings[index] = UNSPECIFIED
+        args[key] = tuple(shardings)
+    return lowered
+
+
+def sharding_key(sharding, rank: int):
+    """A hashable stand-in for how `sharding` lays out an array of `rank` dimensions: equal
+    for equivalent shardings (`P()` and `P(None, None)`), which JAX's objects do not compare."""
+    if sharding is None:
+        return None
+    return str(sharding._to_xla_hlo_sharding(rank)), tuple(d.id for d in sharding._device_assignment)

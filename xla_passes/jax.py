@@ -278,6 +278,11 @@ def rewrite_module(module_proto: bytes, settings: Settings, platform: str = "cpu
                           or xla_bridge.text_to_proto(module.to_text()))
             if changed and settings.check:
                 _check(module_proto, result, module, pipeline, settings, platform)
+            if changed and ("input_output_alias" in module.attrs or "buffer_donor" in module.attrs):
+                _warn_once("XLA of jaxlib 0.10.2 drops the buffer donation of every module a pass hook hands back: "
+                           "donated arguments are copied and the step's peak memory grows by their size; "
+                           "xla_passes.jax.jit(fun, passes=..., donate_argnums=...) runs the passes before XLA's "
+                           "optimizations and keeps it")
     except Exception as exc:
         if settings.strict:
             raise
@@ -349,3 +354,132 @@ def _entry_signature(module) -> list[str]:
     """The entry's parameter and result shapes, which a module handed back to XLA must keep."""
     parameters, result = module.entry.program_shape
     return [shape.to_text(print_layout=False) for shape in [*parameters, result]]
+
+
+# -- xla_passes.jax.jit: passes before XLA's optimizations, donation kept ----------------------------
+
+def jit(fun, *, passes: str, **jit_kwargs) -> "PassJitted":
+    """`jax.jit(fun, **jit_kwargs)` with the pipeline `passes` run on each program before XLA's
+    optimizations, where it may still change the program's signature and keeps its donation.
+
+    The hook (`enable`, `XLA_PASSES`) sees the per-device module after XLA's partitioning,
+    layout assignment and fusion, with a signature JAX has fixed, and XLA of jaxlib 0.10.2 drops
+    the buffer donation of every module a hook hands back. Here JAX lowers `fun`, the passes
+    rewrite the lowered module, and JAX compiles the result with its own options: donated
+    arguments stay donated, and `weight-update-sharding{persistent=true}` can hand the
+    optimizer state back sharded (each device keeps 1/N of it), which the next call accepts.
+    The passes see the collectives the program itself has (shard_map and pmap-style steps);
+    a `jax.jit` + `NamedSharding` program gets its collectives only from XLA's partitioner,
+    after this point.
+
+    Returns an object called like the jitted function, with `.lower(*args)` as JAX's.
+    """
+    return PassJitted(fun, Pipeline(passes), jit_kwargs)
+
+
+class PassJitted:
+    """What `jit` returns: compiles once per argument signature, then calls the executable."""
+
+    def __init__(self, fun, pipeline: Pipeline, jit_kwargs: dict):
+        import jax  # noqa: PLC0415
+
+        self._jitted = jax.jit(fun, **jit_kwargs)
+        self._passes = str(pipeline)
+        self._static = (set(_as_tuple(jit_kwargs.get("static_argnums"))),
+                        set(_as_tuple(jit_kwargs.get("static_argnames"))))
+        self._compiled: dict = {}
+        self.reports: list[str] = []   # what the passes said about the last program they rewrote
+
+    def lower(self, *args, **kwargs) -> "PassLowered":
+        """JAX's lowering of `fun` for these arguments, with the passes applied to it."""
+        lowered = self._jitted.lower(*args, **kwargs)
+        text = xla_bridge.lowered_module_text(lowered)
+        module = hlo_tools.parse_module(text)
+        before = _entry_shardings(module)
+        pipeline = Pipeline(self._passes)
+        if pipeline.run(module):
+            after = _entry_shardings(module)
+            lowered = xla_bridge.with_lowered_module(
+                lowered, module.to_text(),
+                resharded_parameters=[i for i, s in enumerate(after[0]) if s != before[0][i]],
+                resharded_outputs=[i for i, s in enumerate(after[1]) if s != before[1][i]])
+        self.reports = pipeline.reports()
+        for line in self.reports:
+            logger.info("xla_passes.jax.jit: %s", line)
+        return PassLowered(lowered)
+
+    def __call__(self, *args, **kwargs):
+        import jax  # noqa: PLC0415
+
+        dynamic_args, dynamic_kwargs = self._dynamic(args, kwargs)
+        key = self._key(args, kwargs)
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            compiled = self.lower(*args, **kwargs).compile()
+            self._compiled[key] = compiled
+            # the arguments it takes back: its own outputs (state the passes left sharded)
+            self._compiled[self._key(args, kwargs, compiled.input_shardings)] = compiled
+        wanted, _ = compiled.input_shardings
+        leaves, tree = jax.tree.flatten((dynamic_args, dynamic_kwargs))
+        wanted_leaves = jax.tree.leaves(wanted)
+        if len(wanted_leaves) == len(leaves):  # state the passes sharded goes in sharded
+            leaves = [leaf if _sharding_of(leaf) is None or _sharding_of(leaf).is_equivalent_to(sharding, leaf.ndim)
+                      else jax.device_put(leaf, sharding) for leaf, sharding in zip(leaves, wanted_leaves)]
+        dynamic_args, dynamic_kwargs = jax.tree.unflatten(tree, leaves)
+        return compiled(*dynamic_args, **dynamic_kwargs)
+
+    def _dynamic(self, args, kwargs):
+        numbers, names = self._static
+        return ([a for i, a in enumerate(args) if i not in numbers],
+                {k: v for k, v in kwargs.items() if k not in names})
+
+    def _key(self, args, kwargs, shardings=None):
+        """Static values, and every dynamic leaf's shape, dtype and sharding (or `shardings`')."""
+        import jax  # noqa: PLC0415
+
+        numbers, names = self._static
+        static = (tuple(a for i, a in enumerate(args) if i in numbers),
+                  tuple(sorted((k, v) for k, v in kwargs.items() if k in names)))
+        leaves, tree = jax.tree.flatten(self._dynamic(args, kwargs))
+        given = [_sharding_of(leaf) for leaf in leaves]
+        if shardings is not None:
+            given = jax.tree.leaves(shardings[0]) if len(jax.tree.leaves(shardings[0])) == len(leaves) else given
+        return static, tree, tuple((jax.numpy.shape(leaf), str(jax.numpy.result_type(leaf)),
+                                    xla_bridge.sharding_key(sharding, jax.numpy.ndim(leaf)))
+                                   for leaf, sharding in zip(leaves, given))
+
+
+class PassLowered:
+    """JAX's `Lowered` of the rewritten program, plus `memory_analysis()` of its compiled form."""
+
+    def __init__(self, lowered):
+        self._lowered = lowered
+
+    def __getattr__(self, name):
+        return getattr(self._lowered, name)
+
+    def memory_analysis(self):
+        return self._lowered.compile().memory_analysis()
+
+
+def _as_tuple(value) -> tuple:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+
+
+def _sharding_of(leaf):
+    return getattr(leaf, "sharding", None)
+
+
+def _entry_shardings(module) -> tuple[list[str], list[str]]:
+    """The sharding text of each entry parameter and each result leaf ("" where none)."""
+    entry = module.entry
+    parameters = [str(p.attrs.get("sharding") or "") for p in entry.parameters]
+    root = entry.root.attrs.get("sharding")
+    count = len(entry.root.shape.tuple_shapes) if entry.root.shape.is_tuple else 1
+    if root is not None and root.kind == "tuple":
+        results = [str(e) for e in root.elements]
+    else:
+        results = [str(root or "")] * count
+    return parameters, results
