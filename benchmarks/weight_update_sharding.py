@@ -12,6 +12,10 @@ Configurations of the same Flax MLP step (optax.adam), all compiled in this one 
      of every moment) and the batch sharded, all by ``NamedSharding``; XLA's SPMD partitioner
      decides the collectives.
 
+  d. the step a through ``xla_passes.jax.jit(step, passes="weight-update-sharding{persistent=true}",
+     donate_argnums=(0, 1))``: the pass rewrites JAX's lowering before XLA's optimizations, so
+     donation is kept and the Adam state stays sharded between steps (ZeRO-1, automatically).
+
 Two more programs are only compiled: h, program a through a pass hook that hands XLA's
 module back unchanged (it shows that XLA of jaxlib 0.10.2 drops the aliasing of donated
 buffers, ``input_output_alias``, of every module a hook hands back, rewritten or not: b's
@@ -50,6 +54,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+import xla_passes.jax
 from xla_passes.training import MLP, compile_step, compiled_costs, hand_back_hook, use_cpu_devices
 
 PASS = "weight-update-sharding"
@@ -132,18 +137,28 @@ def build(width: int, layers: int, batch_per_device: int):
                     out_shardings=(replicated, state_shardings, replicated), donate_argnums=(0, 1))
     dp_args = (jax.device_put(params, replicated), jax.device_put(opt_state, replicated), images, labels)
     zero1_args = (jax.device_put(params, replicated), jax.device_put(opt_state, state_shardings), images, labels)
+    dp_with_passes = xla_passes.jax.jit(jax.shard_map(dp_step, mesh=mesh, in_specs=(P(), P(), P("data"), P("data")),
+                                                      out_specs=(P(), P(), P()), check_vma=False),
+                                        passes=PERSISTENT, donate_argnums=(0, 1))
     return {"a": (dp, dp_args, None), "b": (dp, dp_args, PASS), "c": (zero1, zero1_args, None),
-            "h": (dp, dp_args, HAND_BACK), "g": (grads_only, (dp_args[0], images, labels), None)}
+            "d": (dp_with_passes, dp_args, JIT), "h": (dp, dp_args, HAND_BACK),
+            "g": (grads_only, (dp_args[0], images, labels), None)}
 
 
 HAND_BACK = "hand back unchanged"  # config h: a hook that returns the module it was given
+JIT = "xla_passes.jax.jit"  # config d: the passes on JAX's lowering
+PERSISTENT = f"{PASS}{{persistent=true}}"
 LABELS = {"a": "data-parallel, plain", "b": f"data-parallel + {PASS}", "c": "ZeRO-1 via jit shardings (peer)",
+          "d": f"xla_passes.jax.jit + {PERSISTENT}",
           "h": "a through a hook that hands the module back unchanged",
           "g": "local gradients only (no pmean, no update; reference)"}
 
 
 def compile_config(fn, args, passes):
-    """`compile_step`, or for HAND_BACK a compile with a hook that returns the module it gets."""
+    """`compile_step`; for HAND_BACK a compile with a hook that returns the module it gets; for
+    JIT the compile of `xla_passes.jax.jit`'s lowering."""
+    if passes == JIT:
+        return fn.lower(*args).compile()
     if passes != HAND_BACK:
         return compile_step(fn, args, passes, strict=True)[0]
     with hand_back_hook():
@@ -174,10 +189,10 @@ def main(argv=None) -> None:
     runs = {}
     for key, (fn, fn_args, passes) in configs.items():
         compiled = compile_config(fn, fn_args, passes)
-        runs[key] = {"compiled": compiled, **static_numbers(compiled), "seconds": []}
-        if key in ("a", "b", "c"):
+        runs[key] = {"compiled": fn if passes == JIT else compiled, **static_numbers(compiled), "seconds": []}
+        if key in ("a", "b", "c", "d"):
             runs[key]["state"] = jax.tree.map(lambda leaf: leaf.copy(), fn_args)  # each donates its own buffers
-    timed = ["a", "b", "c"]
+    timed = ["a", "b", "c", "d"]
     for round_index in range(args.rounds + 1):
         for key in timed:
             run = runs[key]
@@ -205,7 +220,7 @@ def main(argv=None) -> None:
     print("| config | | flops (M) | vs a | update flops (M) = step - g | vs a | bytes accessed (MB) | vs a "
           "| temp (MB) | vs a | arguments (MB) | outputs (MB) | aliased (MB) | peak (MB) | vs a |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for key in ["a", "b", "c", "h", "g"]:
+    for key in ["a", "b", "c", "d", "h", "g"]:
         r = runs[key]
         update = r["flops"] - grad_flops
         update_cols = (f"{update / 1e6:.2f} | {ratio(update, a['flops'] - grad_flops)}" if key != "g" else "- | -")
@@ -219,7 +234,7 @@ def main(argv=None) -> None:
     print()
     print("| config | all-reduce | reduce-scatter | all-gather | ring MB sent per device | vs a |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
-    for key in ["a", "b", "c", "g"]:
+    for key in ["a", "b", "c", "d", "g"]:
         r = runs[key]
         cells = " | ".join(f"{r['collectives'][op][0]} / {r['collectives'][op][1] / 1e6:.2f}" for op in COLLECTIVES)
         print(f"| {key} | {cells} | {r['ring'] / 1e6:.2f} | {ratio(r['ring'], a['ring'])} |")

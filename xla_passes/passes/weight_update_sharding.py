@@ -447,7 +447,8 @@ class _ComputationSharder:
         report = WeightReport(
             computation=self.comp.name, gradient=", ".join(t.describe() for t in region.tops),
             shape=shape.to_text(print_layout=False),
-            weights=tuple(_origin_name(v, self._callers, self._shared_op_names) for v in region.sliced),
+            weights=tuple(_origin_name(v, self._callers, self._shared_op_names)
+                          for v in region.sliced or self._weights_beside(region)),
             sharded=plan is not None, group_size=group_size, reason=reason)
         if plan is not None:
             report.dimension = plan.dimension
@@ -455,6 +456,20 @@ class _ComputationSharder:
             report.shard_bytes = plan.shard_shape(shape).byte_size
         region.report = report
         self.reports.append(report)
+
+    def _weights_beside(self, region: _Region) -> list[HloInstruction]:
+        """For a region that stopped before reaching any weight: the parameters that the uses
+        which stopped it combine with the gradient (the weight and state of an update XLA fused
+        with a transpose of the gradient, say), so that the report can name the weight."""
+        found = []
+        for _, user in region.blocking:
+            for operand in user.operands:
+                source = operand
+                while source.opcode in ("bitcast", "copy", "reshape", "get-tuple-element") and source.operand_count:
+                    source = source.operand(0)
+                if source.opcode == "parameter" and source not in found:
+                    found.append(source)
+        return found
 
     def _problem(self, region: _Region) -> str:
         """Why the region stays replicated whatever its uses: its groups or its size ("" if neither)."""
@@ -1176,6 +1191,11 @@ def _use_reason(member: HloInstruction, user: HloInstruction, differing: HloInst
                 f"same on every device of the group (set assume_replicated_parameters=true if the weights "
                 f"and optimizer state are replicated)")
     reason = f"non-elementwise use: %{member.name} is used by %{user.name} ({user.opcode})"
+    if user.opcode == "fusion":
+        inside = sorted({i.opcode for i in user.attrs["calls"].instructions if i.opcode not in ELEMENTWISE
+                         and i.opcode not in ("parameter", "constant", "broadcast")})
+        kind = user.attrs.get("kind")
+        reason = reason[:-1] + f", {kind}" + (f" with {', '.join(inside)})" if inside else ")")
     if user.opcode == "call":
         reason += "; run call-inliner first so that the pass sees inside it"
     return reason
