@@ -111,7 +111,7 @@ def test_training_equals_jax_jit_and_keeps_donation(style):
     mu = got[2][0].mu
     per_device = {k: mu[k].addressable_shards[0].data.shape for k in SHAPES}
     if sharded:  # the large state lives 1/8 per device; the parameters stay as the user gave them
-        assert per_device["w1"] in ((8, 256), (64, 32)) and per_device["w2"] in ((32, 16), (256, 2))
+        assert per_device["w1"] == (8, 256) and per_device["w2"] == (32, 16)
         assert got[1]["w1"].addressable_shards[0].data.shape == SHAPES["w1"]
         assert sum("sharded" in line for line in ours.reports) >= 2
     else:  # XLA's partitioner makes the collectives after the passes have run: nothing to shard

@@ -207,7 +207,7 @@ class _Plan:
         return _with_layout_like(Shape.array(shape.dtype, self.shard_dims), shape)
 
 
-def _choose_plan(shape: Shape, group_size: int, collective_shapes: list[Shape]) -> _Plan:
+def _choose_plan(shape: Shape, group_size: int, collective_shapes: list[Shape], layouts_final: bool) -> _Plan:
     """Split the most major dimension that divides evenly; else flatten.
 
     In a module whose layouts are final, `collective_shapes` are the laid-out shapes the
@@ -215,10 +215,13 @@ def _choose_plan(shape: Shape, group_size: int, collective_shapes: list[Shape]) 
     makes contiguous slices in every one of them (`slices_are_contiguous`), since after layout
     assignment nobody fixes the layout of a new collective (elsewhere pass []). A flattened
     shard is contiguous whatever the layout: reshaping a laid-out array to one dimension follows
-    its logical order, which XLA does as a bitcast where it can.
+    its logical order, which XLA does as a bitcast where it can. Layouts that are not final are
+    XLA's to choose later (it makes a collective's dimension most major): dimensions are tried
+    in logical order then, which for the default layouts of weights is the contiguous one.
     """
     dims = shape.dims
-    major_to_minor = tuple(reversed(shape.layout.minor_to_major)) if shape.layout else tuple(range(len(dims)))
+    major_to_minor = tuple(reversed(shape.layout.minor_to_major)) if shape.layout and layouts_final \
+        else tuple(range(len(dims)))
     for dim in major_to_minor:
         if (dims[dim] >= group_size and dims[dim] % group_size == 0
                 and all(slices_are_contiguous(s, dim) for s in collective_shapes)):
@@ -442,7 +445,7 @@ class _ComputationSharder:
             if self.module.layouts_final:
                 collective_shapes = [leaf.operand.shape for top in region.tops for leaf in chains[top]]
                 collective_shapes += [member.shape for member in region.members]
-            region.plan = _choose_plan(shape, group_size, collective_shapes)
+            region.plan = _choose_plan(shape, group_size, collective_shapes, self.module.layouts_final)
         plan = region.plan
         report = WeightReport(
             computation=self.comp.name, gradient=", ".join(t.describe() for t in region.tops),
