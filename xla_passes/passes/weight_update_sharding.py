@@ -282,7 +282,7 @@ class _ComputationSharder:
     # -- analysis ----------------------------------------------------------------------------------
     def run(self) -> bool:
         """Analyse (inlining norm fusions that stand in the way, then again), judge, rewrite."""
-        unfused = False
+        unfused = self._hoist_gradient_transposes()
         while True:
             self._analyses = {}
             self._order = {instr: i for i, instr in enumerate(self.comp.post_order())}
@@ -302,6 +302,33 @@ class _ComputationSharder:
         if accepted:
             self._rewrite(accepted, chains)
         return bool(accepted) or unfused
+
+    def _hoist_gradient_transposes(self) -> bool:
+        """Transpose gradients before their all-reduce where XLA fused the transpose into the update.
+
+        XLA computes a Dense kernel's gradient transposed (`f32[256,32]` for a `[32,256]` weight)
+        and, after fusion, transposes it inside each fusion of the update::
+
+            g  = f32[256,32] all-reduce(dot), ...
+            mu = f32[32,256] fusion(mu0, g), calls={p1 -> multiply(b, p1) -> transpose -> copy -> add}
+
+        A sum commutes with a transpose, so this becomes `all-reduce(transpose(dot))` and each
+        fusion reads the gradient in the weight's order, at the weight's shape: an elementwise
+        update that the pass can shard. The transpose moves from the reduced gradient, once per
+        fusion, to the local one, once.
+        """
+        self._order = {instr: i for i, instr in enumerate(self.comp.post_order())}
+        hoisted = False
+        for leaf in self._gradient_leaves():
+            if leaf.shape.byte_size < self.options.threshold_bytes or not _is_gradient_shape(leaf.shape):
+                continue
+            users = [user for value in leaf.values for user in value.users]
+            perms = {_transpose_in_fusion(user, value) for value in leaf.values for user in value.users}
+            if not users or len(perms) != 1 or None in perms or any(v.is_root for v in leaf.values):
+                continue
+            _hoist_transpose(self.module, leaf, perms.pop())
+            hoisted = True
+        return hoisted
 
     def _gradient_leaves(self) -> list[_Leaf]:
         """Every used leaf of every sum all-reduce (a combined one used other than through
@@ -1202,6 +1229,83 @@ def _use_reason(member: HloInstruction, user: HloInstruction, differing: HloInst
     if user.opcode == "call":
         reason += "; run call-inliner first so that the pass sees inside it"
     return reason
+
+
+def _transposed_chain(starts: list[HloInstruction], dims: tuple[int, ...]):
+    """(the elementwise instructions of shape `dims` that `starts` reach, the transposes where
+    they end) when every path from `starts` is such a chain ending in a transpose, and the
+    chain's other operands are scalars; None otherwise."""
+    chain, transposes, work = list(starts), [], list(starts)
+    while work:
+        for user in work.pop().users:
+            if user in chain or user in transposes:
+                continue
+            if user.opcode == "transpose":
+                transposes.append(user)
+            elif (user.opcode in ELEMENTWISE and user.shape.is_array and user.shape.dims == dims
+                  and not user.is_root and not user.control_predecessors
+                  and all(o in chain or o.shape.rank == 0 or _is_scalar_broadcast(o) for o in user.operands)):
+                chain.append(user)
+                work.append(user)
+            else:
+                return None
+    if any(instr.is_root for instr in chain):
+        return None
+    return chain, transposes
+
+
+def _transpose_in_fusion(user: HloInstruction, value: HloInstruction) -> tuple[int, ...] | None:
+    """The permutation of the transpose through which the kLoop fusion `user` reads `value`
+    (see `_transposed_chain`), or None."""
+    if user.opcode != "fusion" or user.attrs.get("kind") != "kLoop" or value.shape.rank < 2:
+        return None
+    fused = user.attrs["calls"]
+    found = _transposed_chain([fused.parameter(i) for i, o in enumerate(user.operands) if o is value],
+                              value.shape.dims)
+    if found is None or not found[1]:
+        return None
+    perms = {tuple(t.attrs["dimensions"]) for t in found[1]}
+    return perms.pop() if len(perms) == 1 else None
+
+
+def _hoist_transpose(module: HloModule, leaf: "_Leaf", perm: tuple[int, ...]) -> None:
+    """`all-reduce(x)` read through `perm` becomes `all-reduce(transpose(x))` read directly
+    (`_ComputationSharder._hoist_gradient_transposes`)."""
+    comp, all_reduce = leaf.all_reduce.parent, leaf.all_reduce
+    source, dims = leaf.operand, leaf.shape.dims
+    shape = Shape.array(source.shape.dtype, [source.shape.dims[p] for p in perm])
+    shape = _with_layout_like(shape, source.shape)
+    transposed = comp.add_instruction("transpose", [source], shape, attrs={"dimensions": perm},
+                                      name=f"{source.name}.transposed", before=all_reduce)
+    all_reduce.set_operand(leaf.index or 0, transposed)
+    if leaf.index is None:
+        all_reduce.set_shape(shape)
+    else:
+        shapes = list(all_reduce.shape.tuple_shapes)
+        shapes[leaf.index] = shape
+        all_reduce.set_shape(Shape.tuple(shapes))
+        for value in leaf.values:
+            value.set_shape(shape)
+    callers = module.callers()
+    for value in leaf.values:
+        for fusion in list(value.users):
+            fused = fusion.attrs["calls"]
+            if len(callers.get(fused, [])) != 1:
+                fused = fusion.attrs["calls"] = module.clone_computation(fused, suffix="transposed")
+            chain, transposes = _transposed_chain(
+                [fused.parameter(i) for i, o in enumerate(fusion.operands) if o is value], dims)
+            for instr in chain:
+                for operand in instr.operands:
+                    if _is_scalar_broadcast(operand) and operand.shape.dims == dims:
+                        if all(u in chain for u in operand.users):
+                            operand.set_shape(shape)
+                        else:
+                            instr.replace_operand_with(operand, fused.add_instruction(
+                                "broadcast", [operand.operand(0)], shape, attrs={"dimensions": ()}, before=instr))
+                instr.set_shape(shape)
+            for transpose in transposes:
+                transpose.replace_all_uses_with(transpose.operand(0))
+                fused.remove_instruction(transpose)
 
 
 def _is_norm_fusion(instr: HloInstruction) -> bool:
