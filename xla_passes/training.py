@@ -60,7 +60,7 @@ def _value_and_grad(model: nn.Module, params, images, labels):
 
 def build_flax_training(widths: tuple[int, ...] = MLP_WIDTHS, *, optimizer=None,
                         pmean_each_gradient: bool = True, check_vma: bool = False,
-                        donate: bool = True, batch_per_device: int = 32):
+                        donate: bool = True, batch_per_device: int = 32, jit=jax.jit):
     """A Flax MLP (Dense layers of `widths`) trained data parallel over 8 CPU devices.
 
     The step is shard_map under jit, with optax adam(1e-3) unless `optimizer`
@@ -74,6 +74,7 @@ def build_flax_training(widths: tuple[int, ...] = MLP_WIDTHS, *, optimizer=None,
 
     Returns `(step, (params, opt_state, images, labels))`; `step` (donating the
     parameters and optimizer state when `donate`) returns new ones and the loss.
+    `jit` compiles the step: `jax.jit`, or `functools.partial(xla_passes.jax.jit, passes=...)`.
     """
     model = MLP(tuple(widths))
     optimizer = optimizer or optax.adam(1e-3)
@@ -86,9 +87,9 @@ def build_flax_training(widths: tuple[int, ...] = MLP_WIDTHS, *, optimizer=None,
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, "data")
 
-    step = jax.jit(jax.shard_map(train_step, mesh=mesh, in_specs=(P(), P(), P("data"), P("data")),
-                                 out_specs=(P(), P(), P()), check_vma=check_vma),
-                   donate_argnums=(0, 1) if donate else ())
+    step = jit(jax.shard_map(train_step, mesh=mesh, in_specs=(P(), P(), P("data"), P("data")),
+                             out_specs=(P(), P(), P()), check_vma=check_vma),
+               donate_argnums=(0, 1) if donate else ())
 
     @jax.jit
     def init(key):
