@@ -282,7 +282,7 @@ class _ComputationSharder:
     # -- analysis ----------------------------------------------------------------------------------
     def run(self) -> bool:
         """Analyse (inlining norm fusions that stand in the way, then again), judge, rewrite."""
-        unfused = self._hoist_gradient_transposes()
+        unfused = self._hoist_gradient_reorderings()
         while True:
             self._analyses = {}
             self._order = {instr: i for i, instr in enumerate(self.comp.post_order())}
@@ -303,19 +303,20 @@ class _ComputationSharder:
             self._rewrite(accepted, chains)
         return bool(accepted) or unfused
 
-    def _hoist_gradient_transposes(self) -> bool:
-        """Transpose gradients before their all-reduce where XLA fused the transpose into the update.
+    def _hoist_gradient_reorderings(self) -> bool:
+        """Reorder gradients before their all-reduce where XLA fused the reordering into the update.
 
         XLA computes a Dense kernel's gradient transposed (`f32[256,32]` for a `[32,256]` weight)
-        and, after fusion, transposes it inside each fusion of the update::
+        and, after fusion, transposes it inside each fusion of the update; in a pmap step the
+        update bitcasts the gradient to the parameters' `[1, ...]` per-device shape::
 
             g  = f32[256,32] all-reduce(dot), ...
             mu = f32[32,256] fusion(mu0, g), calls={p1 -> multiply(b, p1) -> transpose -> copy -> add}
 
-        A sum commutes with a transpose, so this becomes `all-reduce(transpose(dot))` and each
-        fusion reads the gradient in the weight's order, at the weight's shape: an elementwise
-        update that the pass can shard. The transpose moves from the reduced gradient, once per
-        fusion, to the local one, once.
+        A sum commutes with moving elements, so this becomes `all-reduce(transpose(dot))` (or
+        `reshape`) and each fusion reads the gradient in the weight's order, at the weight's
+        shape: an elementwise update that the pass can shard. The transpose moves from the
+        reduced gradient, once per fusion, to the local one, once.
         """
         self._order = {instr: i for i, instr in enumerate(self.comp.post_order())}
         hoisted = False
@@ -323,10 +324,10 @@ class _ComputationSharder:
             if leaf.shape.byte_size < self.options.threshold_bytes or not _is_gradient_shape(leaf.shape):
                 continue
             users = [user for value in leaf.values for user in value.users]
-            perms = {_transpose_in_fusion(user, value) for value in leaf.values for user in value.users}
-            if not users or len(perms) != 1 or None in perms or any(v.is_root for v in leaf.values):
+            keys = {_reordering_in_fusion(user, value) for value in leaf.values for user in value.users}
+            if not users or len(keys) != 1 or None in keys or any(v.is_root for v in leaf.values):
                 continue
-            _hoist_transpose(self.module, leaf, perms.pop())
+            _hoist_reordering(self.module, leaf, keys.pop())
             hoisted = True
         return hoisted
 
@@ -1231,17 +1232,29 @@ def _use_reason(member: HloInstruction, user: HloInstruction, differing: HloInst
     return reason
 
 
-def _transposed_chain(starts: list[HloInstruction], dims: tuple[int, ...]):
-    """(the elementwise instructions of shape `dims` that `starts` reach, the transposes where
-    they end) when every path from `starts` is such a chain ending in a transpose, and the
-    chain's other operands are scalars; None otherwise."""
-    chain, transposes, work = list(starts), [], list(starts)
+def _reordering(instr: HloInstruction):
+    """What an instruction that only moves elements does, as a hashable key: ("transpose",
+    permutation), or ("reshape", dims) for a reshape, or a bitcast that is one (both shapes in
+    the default layout, where a bitcast reinterprets row-major order); None for anything else."""
+    if instr.opcode == "transpose":
+        return "transpose", tuple(instr.attrs["dimensions"])
+    shapes = [instr.shape, instr.operand(0).shape] if instr.opcode in ("reshape", "bitcast") else []
+    if shapes and all(s.is_array and (s.layout is None or s.layout == s.with_default_layout().layout) for s in shapes):
+        return "reshape", instr.shape.dims
+    return None
+
+
+def _reordered_chain(starts: list[HloInstruction], dims: tuple[int, ...]):
+    """(the elementwise instructions of shape `dims` that `starts` reach, the reorderings where
+    they end: `_reordering`) when every path from `starts` is such a chain ending in a
+    reordering, and the chain's other operands are scalars; None otherwise."""
+    chain, ends, work = list(starts), [], list(starts)
     while work:
         for user in work.pop().users:
-            if user in chain or user in transposes:
+            if user in chain or user in ends:
                 continue
-            if user.opcode == "transpose":
-                transposes.append(user)
+            if _reordering(user) is not None:
+                ends.append(user)
             elif (user.opcode in ELEMENTWISE and user.shape.is_array and user.shape.dims == dims
                   and not user.is_root and not user.control_predecessors
                   and all(o in chain or o.shape.rank == 0 or _is_scalar_broadcast(o) for o in user.operands)):
@@ -1251,33 +1264,35 @@ def _transposed_chain(starts: list[HloInstruction], dims: tuple[int, ...]):
                 return None
     if any(instr.is_root for instr in chain):
         return None
-    return chain, transposes
+    return chain, ends
 
 
-def _transpose_in_fusion(user: HloInstruction, value: HloInstruction) -> tuple[int, ...] | None:
-    """The permutation of the transpose through which the kLoop fusion `user` reads `value`
-    (see `_transposed_chain`), or None."""
-    if user.opcode != "fusion" or user.attrs.get("kind") != "kLoop" or value.shape.rank < 2:
+def _reordering_in_fusion(user: HloInstruction, value: HloInstruction):
+    """The one reordering (`_reordering`) through which the kLoop fusion `user` reads `value`
+    (see `_reordered_chain`), or None."""
+    if user.opcode != "fusion" or user.attrs.get("kind") != "kLoop":
         return None
     fused = user.attrs["calls"]
-    found = _transposed_chain([fused.parameter(i) for i, o in enumerate(user.operands) if o is value],
-                              value.shape.dims)
+    found = _reordered_chain([fused.parameter(i) for i, o in enumerate(user.operands) if o is value],
+                             value.shape.dims)
     if found is None or not found[1]:
         return None
-    perms = {tuple(t.attrs["dimensions"]) for t in found[1]}
-    return perms.pop() if len(perms) == 1 else None
+    keys = {_reordering(end) for end in found[1]}
+    return keys.pop() if len(keys) == 1 else None
 
 
-def _hoist_transpose(module: HloModule, leaf: "_Leaf", perm: tuple[int, ...]) -> None:
-    """`all-reduce(x)` read through `perm` becomes `all-reduce(transpose(x))` read directly
-    (`_ComputationSharder._hoist_gradient_transposes`)."""
+def _hoist_reordering(module: HloModule, leaf: "_Leaf", key) -> None:
+    """`all-reduce(x)` read through the reordering `key` becomes `all-reduce(reordered x)` read
+    directly (`_ComputationSharder._hoist_gradient_reorderings`)."""
     comp, all_reduce = leaf.all_reduce.parent, leaf.all_reduce
     source, dims = leaf.operand, leaf.shape.dims
-    shape = Shape.array(source.shape.dtype, [source.shape.dims[p] for p in perm])
-    shape = _with_layout_like(shape, source.shape)
-    transposed = comp.add_instruction("transpose", [source], shape, attrs={"dimensions": perm},
-                                      name=f"{source.name}.transposed", before=all_reduce)
-    all_reduce.set_operand(leaf.index or 0, transposed)
+    kind, how = key
+    new_dims = [dims[p] for p in how] if kind == "transpose" else how
+    shape = _with_layout_like(Shape.array(source.shape.dtype, new_dims), source.shape)
+    reordered = comp.add_instruction(kind, [source], shape, attrs={"dimensions": how} if kind == "transpose" else None,
+                                     name=f"{source.name}.{'transposed' if kind == 'transpose' else 'reshaped'}",
+                                     before=all_reduce)
+    all_reduce.set_operand(leaf.index or 0, reordered)
     if leaf.index is None:
         all_reduce.set_shape(shape)
     else:
@@ -1291,8 +1306,8 @@ def _hoist_transpose(module: HloModule, leaf: "_Leaf", perm: tuple[int, ...]) ->
         for fusion in list(value.users):
             fused = fusion.attrs["calls"]
             if len(callers.get(fused, [])) != 1:
-                fused = fusion.attrs["calls"] = module.clone_computation(fused, suffix="transposed")
-            chain, transposes = _transposed_chain(
+                fused = fusion.attrs["calls"] = module.clone_computation(fused, suffix="reordered")
+            chain, ends = _reordered_chain(
                 [fused.parameter(i) for i, o in enumerate(fusion.operands) if o is value], dims)
             for instr in chain:
                 for operand in instr.operands:
@@ -1303,9 +1318,9 @@ def _hoist_transpose(module: HloModule, leaf: "_Leaf", perm: tuple[int, ...]) ->
                             instr.replace_operand_with(operand, fused.add_instruction(
                                 "broadcast", [operand.operand(0)], shape, attrs={"dimensions": ()}, before=instr))
                 instr.set_shape(shape)
-            for transpose in transposes:
-                transpose.replace_all_uses_with(transpose.operand(0))
-                fused.remove_instruction(transpose)
+            for end in ends:
+                end.replace_all_uses_with(end.operand(0))
+                fused.remove_instruction(end)
 
 
 def _is_norm_fusion(instr: HloInstruction) -> bool:
