@@ -76,3 +76,38 @@ def test_every_weight_is_sharded_and_the_numbers_are_equal(name, style, caplog):
     sharded = [line for line in got[2] if ": sharded " in line]
     assert len(sharded) == len(SHAPES), "\n".join(got[2])
     assert all(f"params['{k}']" in " ".join(sharded) for k in SHAPES)  # the report names each weight
+
+
+@pytest.mark.parametrize("name", ["momentum", "adam"])
+def test_jax_pmap_with_replicated_parameters(name, caplog):
+    """`jax.pmap` hands each device `[1, ...]` parameters: XLA's update fusion reshapes the state
+    to the gradient's shape and back, which the pass moves out of the fusion. Nothing in a pmap
+    module says the parameters are equal on every device: `assume_replicated_parameters=true`."""
+    caplog.set_level("INFO", logger="xla_passes")
+    optimizer = OPTIMIZERS[name]()
+
+    def step(params, state, x, y):
+        grads = jax.lax.pmean(jax.grad(_loss)(params, x, y), "i")
+        updates, state = optimizer.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    rng = np.random.default_rng(0)
+    params = {k: jnp.asarray(0.1 * rng.standard_normal(s), jnp.float32) for k, s in SHAPES.items()}
+    copies = lambda tree: jax.tree.map(lambda a: jnp.broadcast_to(a, (8,) + a.shape), tree)  # noqa: E731
+    x = jnp.asarray(rng.standard_normal((8, 8, 32)), jnp.float32)
+    y = jnp.asarray(rng.standard_normal((8, 8, 16)), jnp.float32)
+    results = []
+    for passes in ("dce", "weight-update-sharding{assume_replicated_parameters=true}"):
+        jax.clear_caches()
+        caplog.clear()
+        with xla_passes.jax.enable(passes, strict=True):
+            pmapped = jax.pmap(step, axis_name="i", donate_argnums=(0, 1))
+            p, s = copies(params), copies(optimizer.init(params))
+            for _ in range(3):
+                p, s = pmapped(p, s, x, y)
+        results.append((p, s))
+    jax.clear_caches()
+    for a, b in zip(jax.tree.leaves(results[1]), jax.tree.leaves(results[0])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    sharded = {r.getMessage() for r in caplog.records if "weight-update-sharding: sharded" in r.getMessage()}
+    assert len(sharded) == len(SHAPES), caplog.text  # pmap compiles the step again for its own outputs

@@ -323,6 +323,8 @@ class _ComputationSharder:
         for leaf in self._gradient_leaves():
             if leaf.shape.byte_size < self.options.threshold_bytes or not _is_gradient_shape(leaf.shape):
                 continue
+            for fusion in {user for value in leaf.values for user in value.users if user.opcode == "fusion"}:
+                hoisted |= _lift_reshapes(self.module, fusion, leaf.shape.dims)
             users = [user for value in leaf.values for user in value.users]
             keys = {_reordering_in_fusion(user, value) for value in leaf.values for user in value.users}
             if not users or len(keys) != 1 or None in keys or any(v.is_root for v in leaf.values):
@@ -478,8 +480,8 @@ class _ComputationSharder:
         report = WeightReport(
             computation=self.comp.name, gradient=", ".join(t.describe() for t in region.tops),
             shape=shape.to_text(print_layout=False),
-            weights=tuple(_origin_name(v, self._callers, self._shared_op_names)
-                          for v in region.sliced or self._weights_beside(region)),
+            weights=tuple(dict.fromkeys(_origin_name(v, self._callers, self._shared_op_names)
+                                        for v in region.sliced or self._weights_beside(region))),
             sharded=plan is not None, group_size=group_size, reason=reason)
         if plan is not None:
             report.dimension = plan.dimension
@@ -1257,7 +1259,8 @@ def _reordered_chain(starts: list[HloInstruction], dims: tuple[int, ...]):
                 ends.append(user)
             elif (user.opcode in ELEMENTWISE and user.shape.is_array and user.shape.dims == dims
                   and not user.is_root and not user.control_predecessors
-                  and all(o in chain or o.shape.rank == 0 or _is_scalar_broadcast(o) for o in user.operands)):
+                  and all(o in chain or o.shape.rank == 0 or _is_scalar_broadcast(o) or _is_one_element_constant(o)
+                          for o in user.operands)):
                 chain.append(user)
                 work.append(user)
             else:
@@ -1265,6 +1268,71 @@ def _reordered_chain(starts: list[HloInstruction], dims: tuple[int, ...]):
     if any(instr.is_root for instr in chain):
         return None
     return chain, ends
+
+
+def _is_one_element_constant(instr: HloInstruction) -> bool:
+    """A constant of one element (`f32[1] constant({1})`), which any reordering leaves as it is."""
+    return instr.opcode == "constant" and instr.shape.is_array and math.prod(instr.shape.dims) == 1
+
+
+def _lift_reshapes(module: HloModule, fusion: HloInstruction, dims: tuple[int, ...]) -> bool:
+    """Move row-major reshapes at the edges of a kLoop fusion out of it, when that leaves it
+    elementwise at `dims`; return whether it did.
+
+    In a pmap step the parameters and optimizer state are `[1, ...]` per device and the
+    gradient is not: XLA's update fusion computes on the state at its shape, reshapes (bitcasts)
+    it to the gradient's, and reshapes the result back; scalar hyper-parameters come as `[1]`::
+
+        fusion(mu: f32[1,64,128], g: f32[64,128], c: f32[1]) -> f32[1,64,128]
+          { bitcast(multiply(mu, b)) ... g ... broadcast(bitcast(c)) ... ROOT bitcast(update) }
+
+    becomes `reshape(fusion(reshape(mu), g, reshape(c)))` with a fusion elementwise at `dims`.
+    """
+    if fusion.attrs.get("kind") != "kLoop":
+        return False
+    fused = fusion.attrs["calls"]
+    lifted = {}  # parameter -> the shape it takes
+    for parameter in fused.parameters:
+        if not parameter.shape.is_array or parameter.shape.dims in (dims, ()):
+            continue
+        found = _reordered_chain([parameter], parameter.shape.dims)
+        keys = {_reordering(end) for end in found[1]} if found else set()
+        if len(keys) != 1 or next(iter(keys)) not in (("reshape", dims), ("reshape", ())):
+            return False
+        lifted[parameter] = found[1][0].shape
+    root = fused.root
+    lift_root = (root.shape.dims != dims and _reordering(root) == ("reshape", root.shape.dims)
+                 and root.operand(0).shape.dims == dims)
+    if not lifted and not lift_root:
+        return False
+    inside = {i for p in lifted for i in (p, *_reordered_chain([p], p.shape.dims)[0])}
+    inside |= {e for p in lifted for e in _reordered_chain([p], p.shape.dims)[1]} | ({root} if lift_root else set())
+    if any(i.shape.dims not in (dims, ()) for i in fused.instructions if i not in inside and not (
+            (_is_scalar_broadcast(i) or _is_one_element_constant(i)) and all(u in inside for u in i.users))):
+        return False
+    if len(module.callers().get(fused, [])) != 1:
+        fusion.attrs["calls"] = module.clone_computation(fused, suffix="lifted")
+        return _lift_reshapes(module, fusion, dims)
+    comp = fusion.parent
+    for parameter, shape in lifted.items():
+        number = parameter.parameter_number
+        _reorder_first(fused, [parameter], parameter.shape.dims, shape)
+        operand = fusion.operand(number)
+        fusion.set_operand(number, comp.add_instruction("reshape", [operand], shape, before=fusion,
+                                                        name=f"{operand.name}.reshaped"))
+    if lift_root:
+        inner = root.operand(0)
+        fused.set_root(inner)
+        fused.remove_instruction(root)
+        full_shape = fusion.shape
+        fusion.set_shape(inner.shape)
+        users, was_root = list(fusion.users), fusion.is_root
+        reshaped = comp.add_instruction("reshape", [fusion], full_shape, after=fusion, name=f"{fusion.name}.reshaped")
+        for user in users:
+            user.replace_operand_with(fusion, reshaped)
+        if was_root:
+            comp.set_root(reshaped)
+    return True
 
 
 def _reordering_in_fusion(user: HloInstruction, value: HloInstruction):
@@ -1307,20 +1375,34 @@ def _hoist_reordering(module: HloModule, leaf: "_Leaf", key) -> None:
             fused = fusion.attrs["calls"]
             if len(callers.get(fused, [])) != 1:
                 fused = fusion.attrs["calls"] = module.clone_computation(fused, suffix="reordered")
-            chain, ends = _reordered_chain(
-                [fused.parameter(i) for i, o in enumerate(fusion.operands) if o is value], dims)
-            for instr in chain:
-                for operand in instr.operands:
-                    if _is_scalar_broadcast(operand) and operand.shape.dims == dims:
-                        if all(u in chain for u in operand.users):
-                            operand.set_shape(shape)
-                        else:
-                            instr.replace_operand_with(operand, fused.add_instruction(
-                                "broadcast", [operand.operand(0)], shape, attrs={"dimensions": ()}, before=instr))
-                instr.set_shape(shape)
-            for end in ends:
-                end.replace_all_uses_with(end.operand(0))
-                fused.remove_instruction(end)
+            _reorder_first(fused, [fused.parameter(i) for i, o in enumerate(fusion.operands) if o is value], dims,
+                           shape)
+
+
+def _reorder_first(fused: HloComputation, starts: list[HloInstruction], dims: tuple[int, ...], shape: Shape) -> None:
+    """Inside `fused`: the chain from `starts` at `dims` to its reorderings (`_reordered_chain`)
+    computes at `shape`, the reordered shape, and the reorderings go; the caller reorders what
+    `starts` receive."""
+    chain, ends = _reordered_chain(starts, dims)
+    for instr in chain:
+        for operand in instr.operands:
+            if _is_one_element_constant(operand) and operand.shape.rank and operand not in chain:
+                value = operand.literal.to_numpy().reshape(shape.dims)
+                instr.replace_operand_with(operand, fused.add_instruction(
+                    "constant", [], shape.with_dtype(operand.shape.dtype), literal=Literal.from_numpy(value),
+                    before=instr))
+                if not operand.users:
+                    fused.remove_instruction(operand)
+            elif _is_scalar_broadcast(operand) and operand.shape.dims == dims:
+                if all(u in chain for u in operand.users):
+                    operand.set_shape(shape)
+                else:
+                    instr.replace_operand_with(operand, fused.add_instruction(
+                        "broadcast", [operand.operand(0)], shape, attrs={"dimensions": ()}, before=instr))
+        instr.set_shape(shape)
+    for end in ends:
+        end.replace_all_uses_with(end.operand(0))
+        fused.remove_instruction(end)
 
 
 def _is_norm_fusion(instr: HloInstruction) -> bool:
