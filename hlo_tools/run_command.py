@@ -24,7 +24,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Compile an HLO module with XLA (PJRT) and run it on one or more devices: "
                     "replica programs (--num_replicas), partitioned programs (--num_partitions; "
                     "SPMD modules and per-device modules), and several local processes "
-                    "(--num_processes). With --reference, run a second module on the same "
+                    "(--num_processes). A module XLA already optimized (an XLA_PASSES_DUMP_TO "
+                    "dump, an is_scheduled=true module) is compiled from the stage of XLA's "
+                    "pipeline it was taken at. With --reference, run a second module on the same "
                     "global inputs and compare every output (exit 1 on a mismatch).")
     p.add_argument("module", help="HLO text file, or a serialized HloModuleProto (.pb)")
     p.add_argument("--input_format", choices=runner.INPUT_FORMATS,

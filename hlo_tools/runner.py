@@ -29,6 +29,11 @@ Modes, chosen from the device counts (arguments, else the module header's
   header is not looked at).  A GSPMD-style module with nothing but ``sharding=``
   attributes needs ``partition_mode="spmd"``.
 
+A module XLA already optimized (laid out and fused, perhaps scheduled: JAX's
+pass hook's modules and their ``XLA_PASSES_DUMP_TO`` dumps, XLA's optimized
+dumps) is compiled from the stage of XLA's pipeline it was taken at
+(:func:`optimized_stage`), as a per-device module.
+
 Robustness: XLA aborts the process on some CHECK failures and its parser
 crashes on pathological nesting.  ``isolate=True`` compiles and runs in a
 child process so such a crash becomes a :class:`RunError`; input text is
@@ -99,6 +104,72 @@ def partitioner_for(text: str) -> str | None:
     if _GSPMD_MARKERS.search(body):
         return "gspmd"
     return None
+
+
+# --- Modules XLA already optimized ---------------------------------------------------------------
+#
+# A module from late in XLA's pipeline (laid out, fused, perhaps scheduled: what JAX's pass hook
+# hands over, xla_passes' dumps of it, `compile().as_text()`) no longer compiles from the start:
+# it is compiled from the stage it was taken at (xla_bridge.compile_optimized_module).
+
+OPTIMIZED_STAGES = ("pre_scheduler", "post_scheduler")  # XLA's pass hook stages, as JAX names them
+_STAGE_NOTE = re.compile(rf"^\s*//[^\n]*\bXLA stage ({'|'.join(OPTIMIZED_STAGES)})\b", re.M)
+_SCHEDULED = re.compile(r"^\s*HloModule\b[^\n]*\bis_scheduled=true", re.M)
+_FUSION_WITH_KIND = re.compile(r"\bfusion\([^\n]*\bkind=k\w+")
+
+
+def stage_note(stage: str) -> str:
+    """What a comment line before the ``HloModule`` line says of a module taken at ``stage`` of
+    XLA's pipeline (hook dumps say it): :func:`optimized_stage` reads it back."""
+    return f"XLA stage {stage}"
+
+
+def optimized_stage(text: str) -> str | None:
+    """The stage of XLA's pipeline a module XLA already optimized was taken at: its note (see
+    :func:`stage_note`), else ``post_scheduler`` for a scheduled module and ``pre_scheduler`` for
+    one with fusions; None for a module from before XLA's optimizations."""
+    header = re.search(r"^\s*HloModule\b", text, re.M)
+    note = _STAGE_NOTE.search(text, 0, header.start() if header else len(text))
+    if note:
+        return note.group(1)
+    if _SCHEDULED.search(text):
+        return "post_scheduler"
+    if _FUSION_WITH_KIND.search(_body(text)):
+        return "pre_scheduler"
+    return None
+
+
+def optimized_note(stage: str) -> str:
+    """How a module XLA optimized is compiled, and what to run where XLA cannot compile it again."""
+    return (f"a module XLA optimized up to its {stage} stage, compiled from there on; run the module "
+            f"from before XLA's optimizations instead, which hlo-tools dump writes")
+
+
+def with_header_counts(text: str, replicas: int, partitions: int) -> str:
+    """``text`` with ``replica_count=`` and ``num_partitions=`` on its ``HloModule`` line (where it
+    states neither), which XLA's parser reads; modules from a pass hook lack them."""
+    if _header_counts(text) != (None, None):
+        return text
+    return re.sub(r"^\s*HloModule\b[^\n]*", lambda header: f"{header.group(0)}, replica_count={replicas}, "
+                  f"num_partitions={partitions}", text, count=1, flags=re.M)
+
+
+def compile_executable(module, platform: str, devices: list, process_index: int, *, num_replicas: int,
+                       num_partitions: int, partitioner: str, stage: str | None):
+    """XLA's executable of ``module`` (an XLA module) for ``devices``: from ``stage`` on for a
+    module XLA already optimized up to it, else from the start with ``partitioner``.
+
+    Raises:
+      xla_bridge.XlaBridgeError: XLA could not compile it.
+    """
+    from hlo_tools import xla_bridge  # noqa: PLC0415
+
+    if stage:
+        return xla_bridge.compile_optimized_module(
+            xla_bridge.module_proto(module), platform, devices, process_index,
+            num_replicas=num_replicas, num_partitions=num_partitions, stage=stage)
+    return xla_bridge.compile_module(module, platform, devices, process_index, num_replicas=num_replicas,
+                                     num_partitions=num_partitions, partitioner=partitioner)
 
 
 class RunError(Exception):
@@ -247,16 +318,17 @@ class _Placement:
     slices); ``primary[i]`` says device i's copy is the one used to assemble
     outputs (the first device holding each piece).  ``local_shape`` is the
     per-device shape (pieces at the ragged end are zero-padded to it).
+    ``text`` is the sharding as written; None where none was (replicated).
     """
 
     global_shape: tuple[int, ...]
     local_shape: tuple[int, ...]
     slices: list[tuple]
     primary: list[bool]
-    text: str = "{replicated}"
+    text: str | None = "{replicated}"
 
 
-def _replicated(shape, n, text="{replicated}") -> _Placement:
+def _replicated(shape, n, text: str | None = "{replicated}") -> _Placement:
     full = tuple(slice(0, d) for d in shape)
     return _Placement(tuple(shape), tuple(shape), [full] * n, [i == 0 for i in range(n)], text)
 
@@ -332,10 +404,12 @@ def _split(array: np.ndarray, placement: _Placement) -> list[np.ndarray]:
 
 
 def _assemble(pieces: dict[int, np.ndarray], placement: _Placement, dtype,
-              what: str, warnings: list[str]) -> np.ndarray:
-    """The global array from each device's piece; copies of a piece must agree."""
+              what: str, warnings: list[str], unsharded_hint: str = "") -> np.ndarray:
+    """The global array from each device's piece; copies of a piece must agree (one warning per
+    piece whose copies do not; ``unsharded_hint`` ends it where no sharding was written)."""
     out = np.zeros(placement.global_shape, dtype)
     first: dict[tuple, int] = {}
+    differing: dict[int, list[int]] = {}  # the first device holding a piece -> devices that disagree
     for device, sl in enumerate(placement.slices):
         piece = pieces[device]
         valid = piece[tuple(slice(0, s.stop - s.start) for s in sl)]
@@ -344,11 +418,17 @@ def _assemble(pieces: dict[int, np.ndarray], placement: _Placement, dtype,
             out[sl] = valid
         if key in first:
             other = pieces[first[key]][tuple(slice(0, s.stop - s.start) for s in sl)]
-            if not _same_bits(valid, other) and len(warnings) < 20:
-                warnings.append(f"{what}: sharding {placement.text} says devices {first[key]} and "
-                                f"{device} hold the same piece, but their values differ")
+            if not _same_bits(valid, other):
+                differing.setdefault(first[key], []).append(device)
         else:
             first[key] = device
+    for holder, devices in differing.items():
+        if len(warnings) < 20:
+            claim = (f", though sharding {placement.text} says they hold the same piece" if placement.text
+                     else f"; with no sharding written the output is taken as replicated, and is device "
+                          f"{holder}'s{unsharded_hint}")
+            warnings.append(f"{what}: device{'s' if len(devices) > 1 else ''} {', '.join(map(str, devices))} "
+                            f"hold other values than device {holder}{claim}")
     return out
 
 
@@ -522,6 +602,7 @@ class RunResult:
     num_processes: int = 1  # processes that ran the module
     local_devices: int = 1  # devices of process 0 that ran it
     cost: dict = dataclasses.field(default_factory=dict)  # XLA's cost analysis (flops, bytes...)
+    stage: str | None = None  # the stage of XLA's pipeline it was compiled from (None: the start)
 
     def timing(self) -> dict[str, float]:
         """Median, min and max execution time in seconds."""
@@ -535,6 +616,8 @@ class RunResult:
             what = f"{self.num_partitions} partitions, {self.partitioning.replace('_', '-')} module"
         else:
             what = "1 device"
+        if self.stage:
+            what += f", compiled from XLA's {self.stage} stage"
         if self.num_processes > 1:
             what += f", {self.num_processes} processes x {self.local_devices} devices"
         return what
@@ -760,11 +843,12 @@ class LoadedModule:
         except xla_bridge.XlaBridgeError as exc:
             raise RunError(_xla_parse_message(ref.name, str(exc))) from exc
         self.printed = xla_bridge.module_text(self.module)
+        source = content if isinstance(content, str) else self.printed
+        self.stage = optimized_stage(source)  # None: from before XLA's optimizations
         self.param_shardings, self.root_sharding = _entry_shardings(self.printed)
         self.param_global_shapes = _entry_global_shapes(self.printed)
         self.num_replicas, self.num_partitions = device_counts(
-            content if isinstance(content, str) else self.printed, self.printed,
-            spec.num_replicas, spec.num_partitions)
+            source, self.printed, spec.num_replicas, spec.num_partitions)
         _validate_counts(self.num_replicas, self.num_partitions, ref.name)
         self.num_devices = self.num_replicas * self.num_partitions
         if self.num_replicas > 1 and self.num_partitions > 1:
@@ -776,8 +860,11 @@ class LoadedModule:
             if mode not in PARTITION_MODES:
                 raise RunError(f"unknown partition mode '{mode}' (expected one of "
                                f"{', '.join(PARTITION_MODES)})")
+            if mode == "spmd" and self.stage:
+                raise RunError(f"{ref.name}: XLA already optimized the module (up to its {self.stage} "
+                               f"stage), so it is partitioned: partition mode spmd does not apply")
             if mode == "auto":
-                mode = "spmd" if partitioner_for(self.printed) else "per_device"
+                mode = "spmd" if partitioner_for(self.printed) and not self.stage else "per_device"
             self.partitioning = mode
         else:
             self.mode = "replica" if self.num_replicas > 1 else "single"
@@ -827,7 +914,7 @@ class LoadedModule:
 
         def place(text, shape, what, global_shape=None):
             if text is None:
-                return _replicated(shape, n)
+                return _replicated(shape, n, None)
             desc = text if isinstance(text, tuple) else _describe(text, name, what)
             label = text if isinstance(text, str) else _desc_text(desc)
             return _placement(desc, label, tuple(shape), n, per_device=per_device,
@@ -849,18 +936,17 @@ class LoadedModule:
         # like JAX: a module with sharding markers goes through its partitioner
         return partitioner_for(self.printed) or "none"
 
-    def compile(self, devices, process_index: int = 0, platform: str = "cpu",
-                note: str = "") -> "CompiledModule":
-        """Compile for `devices` (one per replica or partition); `note` ends compile errors."""
+    def compile(self, devices, process_index: int = 0, platform: str = "cpu") -> "CompiledModule":
+        """Compile for `devices` (one per replica or partition)."""
         from hlo_tools import xla_bridge  # noqa: PLC0415
 
         try:
-            executable = xla_bridge.compile_module(
+            executable = compile_executable(
                 self.module, platform, devices, process_index, num_replicas=self.num_replicas,
-                num_partitions=self.num_partitions, partitioner=self.partitioner())
+                num_partitions=self.num_partitions, partitioner=self.partitioner(), stage=self.stage)
         except xla_bridge.XlaBridgeError as exc:
             raise RunError(f"{self.spec.ref.name}: {first_line(str(exc))}"
-                           + (f" ({note})" if note else "")) from exc
+                           + (f" ({optimized_note(self.stage)})" if self.stage else "")) from exc
         return CompiledModule(self, executable)
 
     def global_signature(self) -> list[tuple[tuple[int, ...], np.dtype]]:
@@ -1003,7 +1089,9 @@ def _assemble_outputs(loaded: LoadedModule, placements, pieces, warnings) -> lis
     for j, (by_device, (shape, dtype)) in enumerate(zip(pieces, loaded.results)):
         if loaded.mode == "partition":
             outputs.append(_assemble(by_device, placements[j], dtype,
-                                     f"{loaded.spec.ref.name}: output {j}", warnings))
+                                     f"{loaded.spec.ref.name}: output {j}", warnings,
+                                     " (XLA keeps no output shardings in a module it optimized)"
+                                     if loaded.stage else ""))
         elif loaded.mode == "replica":
             outputs.append(np.stack([by_device[i] for i in range(loaded.num_replicas)]))
         else:
@@ -1074,11 +1162,8 @@ def _execute_job(job: _Job, status=lambda _: None, progress_stream=None) -> list
                            f"{len(devices)} devices or fit in process 0's")
         if not (spans or process_index in owners):
             continue  # another process runs this module alone
-        optimized = re.search(r"^\s*HloModule\b[^\n]*\bis_scheduled=true", m.printed, re.M)
-        note = (", a module XLA already optimized (is_scheduled=true; run the module from "
-                "before optimization)") if optimized else ""
-        status(f"compiling {name}{note}")
-        compiled = m.compile(run_devices, process_index, job.platform, note[2:])
+        status(f"compiling {name}" + (f" ({optimized_note(m.stage)})" if m.stage else ""))
+        compiled = m.compile(run_devices, process_index, job.platform)
         executable = compiled.executable
         out_places = compiled.output_places
         per_device = _per_device_inputs(m, compiled.parameter_places, inputs)
@@ -1101,7 +1186,7 @@ def _execute_job(job: _Job, status=lambda _: None, progress_stream=None) -> list
                                      m.num_partitions, m.partitioning, seconds, warnings,
                                      len(owners), len(executable.local),
                                      {k: float(v) for k, v in executable.cost_analysis().items()
-                                      if isinstance(v, (int, float))}))
+                                      if isinstance(v, (int, float))}, m.stage))
     return results if process_index == 0 else None
 
 

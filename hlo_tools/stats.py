@@ -33,7 +33,6 @@ import collections
 import dataclasses
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -167,11 +166,13 @@ class XlaCost:
     partitioner: str              # as hlo_tools.runner picks it: none, shardy, gspmd, prepartitioned
     cost_analysis: dict[str, float]  # XLA's keys as it spells them ("bytes accessed", "flops", ...)
     memory: dict[str, int]        # argument/output/alias/temp/generated_code/peak bytes
+    stage: str | None = None      # the stage of XLA's pipeline it was compiled from (None: the start)
 
     def to_json(self) -> dict:
         cost = self.cost_analysis
         return {"platform": self.platform, "num_replicas": self.num_replicas,
                 "num_partitions": self.num_partitions, "partitioner": self.partitioner,
+                "stage": self.stage,
                 "flops": cost.get("flops"), "transcendentals": cost.get("transcendentals"),
                 "bytes_accessed": cost.get("bytes accessed"),
                 "cost_analysis": dict(sorted(cost.items())), "memory": dict(self.memory)}
@@ -304,7 +305,8 @@ def _compile_and_measure(text: str, platform: str) -> dict:
 
     The device counts and the partitioner are chosen with the runner's rules
     (header counts, else the devices the entry shardings name; Shardy/GSPMD
-    markers pick the partitioner), so both commands compile the same program.
+    markers pick the partitioner; a module XLA already optimized compiles from
+    its stage on), so both commands compile the same program.
     Tuple and token parameters, which the runner cannot feed, are fine here.
     """
     from hlo_tools import runner, xla_bridge  # noqa: PLC0415 - starts XLA
@@ -315,7 +317,8 @@ def _compile_and_measure(text: str, platform: str) -> dict:
         raise XlaCostError(runner.first_line(str(exc))) from exc
     printed = xla_bridge.module_text(module)
     replicas, partitions = runner.device_counts(text, printed)
-    marked = runner.partitioner_for(printed)
+    stage = runner.optimized_stage(text)
+    marked = None if stage else runner.partitioner_for(printed)
     partitioner = marked or ("prepartitioned" if partitions > 1 else "none")
     needed = replicas * partitions
     if platform == "cpu" and needed > runner.MAX_CPU_DEVICES:
@@ -330,18 +333,17 @@ def _compile_and_measure(text: str, platform: str) -> dict:
     if needed > len(devices):
         raise XlaCostError(f"{needed} devices are needed, platform '{platform}' has {len(devices)}")
     try:
-        executable = xla_bridge.compile_module(
+        executable = runner.compile_executable(
             module, platform, devices[:needed], process_index, num_replicas=replicas,
-            num_partitions=partitions, partitioner=partitioner)
+            num_partitions=partitions, partitioner=partitioner, stage=stage)
     except xla_bridge.XlaBridgeError as exc:
-        scheduled = re.search(r"^\s*HloModule\b[^\n]*\bis_scheduled=true", printed, re.M)
-        hint = (" (an already optimized module, is_scheduled=true; XLA compiles modules from "
-                "before optimization)") if scheduled else ""
+        hint = f" ({runner.optimized_note(stage)})" if stage else ""
         raise XlaCostError(runner.first_line(str(exc)) + hint) from exc
     cost = {key: float(value) for key, value in executable.cost_analysis().items()
             if isinstance(value, (int, float))}
     return {"platform": platform, "num_replicas": replicas, "num_partitions": partitions,
-            "partitioner": partitioner, "cost_analysis": cost, "memory": executable.memory_stats()}
+            "partitioner": partitioner, "cost_analysis": cost, "memory": executable.memory_stats(),
+            "stage": stage}
 
 
 def _worker_main(module_path: str, result_path: str, platform: str) -> None:
@@ -476,8 +478,9 @@ def _format(stats: ModuleStats) -> str:
     lines.append("")
     if stats.xla is not None:
         x = stats.xla
-        lines.append(f"XLA ({x.platform}, {_devices(x.num_replicas, x.num_partitions)}, "
-                     f"partitioner {x.partitioner}; numbers per device)")
+        origin = f"compiled from its {x.stage} stage" if x.stage else f"partitioner {x.partitioner}"
+        lines.append(f"XLA ({x.platform}, {_devices(x.num_replicas, x.num_partitions)}, {origin}; "
+                     f"numbers per device)")
         cost = x.cost_analysis
         rows = [[label, _number(cost[key])] for label, key in
                 (("flops", "flops"), ("transcendentals", "transcendentals"),

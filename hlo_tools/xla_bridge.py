@@ -205,6 +205,11 @@ def module_text(module) -> str:
     return xla_print(module, canonical=False)
 
 
+def module_proto(module) -> bytes:
+    """Serialized ``HloModuleProto`` bytes of one of XLA's modules."""
+    return module.as_serialized_hlo_module_proto()
+
+
 def _shape_leaves(shape) -> list[tuple[tuple[int, ...], object]]:
     if shape.is_tuple():
         return [leaf for element in shape.tuple_shapes() for leaf in _shape_leaves(element)]

@@ -123,6 +123,28 @@ def flax_scenario() -> dict:
     return flax_training(steps=5)
 
 
+def momentum_scenario() -> dict:
+    """One compile of a data-parallel momentum step: weights and momentum replicated, the batch
+    split over the devices, weights big enough for weight-update-sharding to shard them."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    replicated, batch = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
+
+    def step(w, m, x):
+        grad = jax.grad(lambda w: jnp.sum(jnp.einsum("b...,...->...", x, w) ** 2))(w)
+        m = 0.9 * m + grad
+        return w - 0.01 * m, m
+
+    rng = np.random.default_rng(0)
+    w, m = (rng.standard_normal((32, 16), dtype=np.float32) for _ in range(2))
+    x = rng.standard_normal((len(jax.devices()), 32, 16), dtype=np.float32)
+    new_w, _ = jax.jit(step, in_shardings=(replicated, replicated, batch), out_shardings=(replicated, replicated))(w, m, x)
+    return {"weight_sum": float(np.asarray(new_w).sum())}
+
+
 def absl_app(absl_argv: list[str], import_jax_first: bool) -> None:
     """An absl program that imports `xla_passes.flags` and runs `program_scenario` in main.
 
@@ -143,7 +165,8 @@ def absl_app(absl_argv: list[str], import_jax_first: bool) -> None:
     app.run(main, argv=absl_argv)
 
 
-SCENARIOS = {"program": program_scenario, "threads": threads_scenario, "flax": flax_scenario}
+SCENARIOS = {"program": program_scenario, "threads": threads_scenario, "flax": flax_scenario,
+             "momentum": momentum_scenario}
 ABSL_SCENARIOS = {"absl-jax-imported-first": True, "absl-jax-imported-in-main": False}
 
 

@@ -28,9 +28,11 @@ from hlo_tools.verifier import verify_edits, verify_module
 
 from .collectives import DIMENSIONED_COLLECTIVES, layout_problem
 from .core import HloPass, PassError, pass_class
+from .replica_groups import inferred_device_counts
 
 FIXED_POINT = "fixed-point"
-# The first line of every dump of a module whose layouts are final; xla-opt reads it back.
+# The first line of every dump of a module whose layouts are final; xla-opt reads it back, and
+# hlo-tools the stage of XLA's pipeline the module was taken at, which that line goes on to name.
 LAYOUTS_FINAL_NOTE = "xla_passes: layouts final (after XLA's layout assignment)"
 
 # Pipeline(verify=...): every edit since parsing (True), the whole module (FULL), nothing (False).
@@ -163,10 +165,22 @@ class Pipeline:
             self._dump_count += 1
             step = f"{self._dump_count:04d}."
         name = module_file_name(self.module_number, module.name, f"{step}{what}.txt")
+        text = module.to_text()
         if module.layouts_final:
-            notes = [LAYOUTS_FINAL_NOTE, *notes]
+            from hlo_tools.runner import stage_note, with_header_counts  # noqa: PLC0415 - numpy; dumps only
+
+            # What hlo-tools needs to compile the module again: the stage of XLA's pipeline it was
+            # taken at (only the post-scheduler hook sees scheduled modules) and the device counts,
+            # which XLA keeps out of the text. The counts are the compile's: read once, off the
+            # module as XLA handed it over.
+            stage = "post_scheduler" if module.attrs.get("is_scheduled") else "pre_scheduler"
+            notes = [f"{LAYOUTS_FINAL_NOTE}, {stage_note(stage)}", *notes]
+            if not numbered:
+                self._device_counts = inferred_device_counts(module)
+            if self._device_counts is not None:
+                text = with_header_counts(text, self._device_counts.replicas, self._device_counts.partitions)
         header = "".join(f"// {line}\n" for line in notes)
-        write_atomically(os.path.join(self.dump_to, name), header + module.to_text())
+        write_atomically(os.path.join(self.dump_to, name), header + text)
 
 
 def pass_report(hlo_pass) -> list[str]:
