@@ -9,10 +9,10 @@ every final weight, BatchNorm statistic and optimizer state must equal the
 plain run's up to the rounding of a reordered sum, and the training step must
 show that the pass did its work:
 
-- weight-update-sharding shards the update of every convolution kernel but
-  the depthwise ones, which it keeps replicated so far: XLA all-reduces their
-  gradient as [h, w, 1, C] and the update's fusion bitcasts it to the kernel's
-  [h, w, C, 1] ("kept ...: non-elementwise use" in the pass's log). Convnet
+- weight-update-sharding shards the update of every convolution kernel, the
+  depthwise ones too (XLA all-reduces their gradient as [h, w, 1, C] and the
+  update's fusion bitcasts it to the kernel's [h, w, C, 1], which the pass
+  moves before the all-reduce). Convnet
   kernels are where splitting a dimension whose slices are not contiguous in
   XLA's layout used to give wrong numbers at the JAX hook (each of the three
   models caught it), EfficientNet's squeeze-excitation (1, 1, C, K) kernels
@@ -93,11 +93,11 @@ def train_step_log(stderr: str) -> tuple[str, list[tuple[str, tuple[int, ...]]]]
 
 
 def convolution_kernel_shapes(weights) -> collections.Counter:
-    """Shapes of the model's 4-D kernels, depthwise ones (Keras: (h, w, channels, 1)) left out."""
+    """Shapes of the model's 4-D kernels (depthwise ones: Keras's (h, w, channels, 1))."""
     return collections.Counter(
         weights[name].shape for name in weights.files
         if name.endswith(("/kernel", "['kernel']")) and not name.startswith("opt_state")
-        and weights[name].ndim == 4 and weights[name].shape[3] > 1)
+        and weights[name].ndim == 4)
 
 
 def entry_all_reduces(path) -> int:

@@ -1236,14 +1236,23 @@ def _use_reason(member: HloInstruction, user: HloInstruction, differing: HloInst
 
 def _reordering(instr: HloInstruction):
     """What an instruction that only moves elements does, as a hashable key: ("transpose",
-    permutation), or ("reshape", dims) for a reshape, or a bitcast that is one (both shapes in
-    the default layout, where a bitcast reinterprets row-major order); None for anything else."""
+    permutation), or ("reshape", dims) for a reshape, or a bitcast that is one (both shapes
+    row-major, where a bitcast reinterprets row-major order); None for anything else."""
     if instr.opcode == "transpose":
         return "transpose", tuple(instr.attrs["dimensions"])
     shapes = [instr.shape, instr.operand(0).shape] if instr.opcode in ("reshape", "bitcast") else []
-    if shapes and all(s.is_array and (s.layout is None or s.layout == s.with_default_layout().layout) for s in shapes):
+    if shapes and all(s.is_array and _row_major(s) for s in shapes):
         return "reshape", instr.shape.dims
     return None
+
+
+def _row_major(shape: Shape) -> bool:
+    """Whether `shape`'s elements lie in row-major order: its layout, dimensions of size 1 aside
+    (where they sit changes no element's place), is the default one."""
+    if shape.layout is None:
+        return True
+    order = [d for d in shape.layout.minor_to_major if shape.dims[d] != 1]
+    return order == sorted(order, reverse=True)
 
 
 def _reordered_chain(starts: list[HloInstruction], dims: tuple[int, ...]):
