@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
+import importlib.metadata
 import os
 import sys
 import tempfile
@@ -155,10 +156,19 @@ def write_atomically(path: str, text: str) -> None:
         raise
 
 
+def package_version() -> str:
+    """The installed distribution's version (both CLIs print it with --version)."""
+    try:
+        return importlib.metadata.version("xla-passes")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every command module's subcommand registered."""
     parser = argparse.ArgumentParser(
         prog=PROG, description="Inspect and transform XLA HLO modules.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module_name in COMMAND_MODULES:
         importlib.import_module(module_name).register(subparsers)

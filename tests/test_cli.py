@@ -62,6 +62,13 @@ def test_help_lists_every_subcommand(capsys):
         assert re.search(rf"^\s+{re.escape(name)}\s", out, flags=re.M), name
 
 
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert re.fullmatch(r"hlo-tools \d+\.\d+\.\d+\n", capsys.readouterr().out)
+
+
 @pytest.mark.parametrize("module_name", cli.COMMAND_MODULES)
 def test_command_module_registers_runnable_subcommands(module_name):
     parser = argparse.ArgumentParser()

@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="Run xla_passes passes on an HLO module, like XLA's hlo-opt.")
     parser.add_argument("input", nargs="?", default="-", help="HLO text file, or - for stdin (default)")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {cli.package_version()}")
     parser.add_argument("--passes", default="",
                         help="pipeline, e.g. 'all-reduce-combiner{threshold_bytes=1048576},dce' "
                              "(empty: parse, verify and print)")
@@ -114,6 +115,8 @@ def optimize(text: str, passes: str, *, path: str, split: bool = False, verify: 
             pipeline = Pipeline(passes, verify=verify, dump_to=dump_to, module_number=number,
                                 layouts_final=layouts_final or LAYOUTS_FINAL_NOTE in chunk)
             changed = pipeline.run(module)
+            if not changed:
+                print(f"{PROG}: {module.name}: no pass changed the module", file=sys.stderr)
             if check and changed:
                 _check(chunk, module, pipeline)
             if report:

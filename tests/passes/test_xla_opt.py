@@ -2,6 +2,7 @@
 
 import io
 import os
+import re
 import subprocess
 import sys
 
@@ -47,6 +48,21 @@ def test_without_passes_prints_the_module_unchanged(tmp_path, capsys):
     src = tmp_path / "in.hlo"
     src.write_text(MODULE)
     assert run_opt(capsys, str(src)) == (0, MODULE, "")
+
+
+def test_says_when_no_pass_changed_the_module(tmp_path, capsys):
+    src = tmp_path / "in.hlo"
+    src.write_text(MODULE.replace("  dead = f32[8] negate(p)\n", ""))
+    status, out, err = run_opt(capsys, str(src), "--passes=dce")
+    assert status == 0 and out == src.read_text()
+    assert err == "xla-opt: opt_test: no pass changed the module\n"
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        opt.main(["--version"])
+    assert exit_info.value.code == 0
+    assert re.fullmatch(r"xla-opt \d+\.\d+\.\d+\n", capsys.readouterr().out)
 
 
 def test_stdin_to_stdout(monkeypatch, capsys):
