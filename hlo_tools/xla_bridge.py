@@ -462,6 +462,11 @@ def compile_optimized_module(proto: bytes, platform: str, devices: list, process
     from jax.extend import xla as _jax_xla  # noqa: PLC0415
 
     program_shape = _xc.XlaComputation(bytes(proto)).program_shape()
+    for number, parameter in enumerate(program_shape.parameter_shapes()):
+        # inputs go in row-major; a laid-out entry parameter would read them in its own order
+        if parameter.is_array() and list(parameter.layout().minor_to_major()) != list(range(parameter.rank()))[::-1]:
+            raise XlaBridgeError(f"entry parameter {number} is laid out {parameter}, and a module compiled from "
+                                 f"an optimized stage takes inputs in the default layout only")
     stand_in = xla_parse(_stand_in_text(program_shape))
     name = f"hlo_tools_swap_{id(proto)}"
     hook_stage = _jax_xla.PipelineStage[stage.upper()]

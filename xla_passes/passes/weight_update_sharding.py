@@ -910,7 +910,9 @@ class _ComputationSharder:
 
     def _add(self, opcode: str, operands, shape=None, *, attrs=None, name=None, literal=None) -> HloInstruction:
         """Add an instruction; an inferred shape has a layout only where the operands have one
-        (text without layouts stays without them)."""
+        (text without layouts stays without them); an element of a tuple has its own."""
+        if shape is None and opcode == "get-tuple-element":
+            shape = operands[0].shape.tuple_shapes[attrs["index"]]
         if shape is None and operands and all(o.shape.layout is None for o in operands):
             shape = infer_shape(opcode, [o.shape for o in operands], attrs or {}).without_layout()
         return self.comp.add_instruction(opcode, operands, shape, attrs=attrs, name=name, literal=literal)
@@ -1308,7 +1310,7 @@ def _lift_reshapes(module: HloModule, fusion: HloInstruction, dims: tuple[int, .
         keys = {_reordering(end) for end in found[1]} if found else set()
         if len(keys) != 1 or next(iter(keys)) not in (("reshape", dims), ("reshape", ())):
             return False
-        lifted[parameter] = found[1][0].shape
+        lifted[parameter] = found[1][0].shape.with_dtype(parameter.shape.dtype)
     root = fused.root
     lift_root = (root.shape.dims != dims and _reordering(root) == ("reshape", root.shape.dims)
                  and root.operand(0).shape.dims == dims)
@@ -1404,11 +1406,12 @@ def _reorder_first(fused: HloComputation, starts: list[HloInstruction], dims: tu
                     fused.remove_instruction(operand)
             elif _is_scalar_broadcast(operand) and operand.shape.dims == dims:
                 if all(u in chain for u in operand.users):
-                    operand.set_shape(shape)
+                    operand.set_shape(shape.with_dtype(operand.shape.dtype))
                 else:
                     instr.replace_operand_with(operand, fused.add_instruction(
-                        "broadcast", [operand.operand(0)], shape, attrs={"dimensions": ()}, before=instr))
-        instr.set_shape(shape)
+                        "broadcast", [operand.operand(0)], shape.with_dtype(operand.shape.dtype),
+                        attrs={"dimensions": ()}, before=instr))
+        instr.set_shape(shape.with_dtype(instr.shape.dtype))  # a chain may convert
     for end in ends:
         end.replace_all_uses_with(end.operand(0))
         fused.remove_instruction(end)
