@@ -315,7 +315,8 @@ def test_the_hook_skips_unparsed_a_module_no_pass_acts_on(monkeypatch, caplog, t
     with monkeypatch.context() as patched:
         patched.setattr(hlo_tools, "parse_module", no_parse)
         # One all-reduce: nothing for a combiner to combine, nor for call-inliner (no call).
-        settings = configuration.Settings("collective-fusion,call-inliner", strict=True)
+        # (collective-fusion reads it: its simplifier may remove a lone all-reduce.)
+        settings = configuration.Settings("all-reduce-combiner,call-inliner", strict=True)
         assert xla_passes_jax.rewrite_module(one, settings) is None
     assert "two_all_reduces: skipped, nothing the passes act on" in caplog.text
     # Two all-reduces are combined; a pass that declares no opcodes (dce) may act on any module.
@@ -384,3 +385,21 @@ def test_flax_data_parallel_training_with_collective_fusion_same_losses_fewer_al
     [after] = dump.glob("module_*.jit_train_step.0001.after_collective-fusion.txt")
     assert count_opcode(before, "all-reduce") == 17  # 16 gradients and the loss
     assert count_opcode(after, "all-reduce") < count_opcode(before, "all-reduce")
+
+
+def test_shard_map_pmean_step_at_xla_defaults_keeps_one_all_reduce_with_collective_fusion():
+    """XLA's own combiner on (its defaults): JAX's transpose all-reduces each gradient of a
+    replicated parameter and `pmean` all-reduces it again, each reading the one before, so XLA
+    leaves 7 all-reduces; collective-fusion at the hook drops the redundant ones and combines the
+    rest into one, and the step computes the same within float rounding."""
+    pytest.importorskip("flax")
+    import jax  # noqa: PLC0415
+    from xla_passes.training import build_flax_training, collective_counts, compile_step  # noqa: PLC0415
+
+    step, args = build_flax_training((128, 128, 10), check_vma=True, donate=False, batch_per_device=16)
+    plain, _ = compile_step(step, args, None)
+    fused, _ = compile_step(step, args, "collective-fusion", strict=True)
+    assert collective_counts(plain)["all-reduce"] == 7
+    assert collective_counts(fused)["all-reduce"] == 1
+    for expected, actual in zip(jax.tree.leaves(plain(*args)), jax.tree.leaves(fused(*args))):
+        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)

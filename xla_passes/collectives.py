@@ -1,20 +1,25 @@
 """Shared machinery of the collective passes: what makes two collectives combinable, in which
 groups they may be combined without creating a cycle, and how a group becomes one
-tuple-shaped collective.
+collective.
 
 The combiners (`all-reduce-combiner`, `all-gather-combiner`, `reduce-scatter-combiner`) are
 built from three pieces, each usable on its own:
 
 * keys: `replica_groups_key`, `reducer_key` and `collective_key` say when two collectives do
-  the same communication (same participants, mode and reduction), so one op can do both;
+  the same communication (same participants, mode and reduction, same `collective_group_key`
+  frontend attribute), so one op can do both; `domain_metadata` says which sharding domain an
+  instruction is in (XLA combines only within one);
 * grouping: `combine_by_key` is XLA's `CombineInstructionsByKey`: walk a computation in post
   order and collect instructions of one key into a group until a size or count threshold is
-  reached or the next one depends on the group (`DependencyTracker`);
+  reached, skipping those that depend on the group (`DependencyTracker`), which a later group
+  takes;
 * rewriting: `combine_collectives` replaces a group by one collective whose operands are all
   of the group's operands, and every member by the matching `get-tuple-element`s of it
-  (`replace_with_elements`).
+  (`replace_with_elements`); `combine_all_reduces_flat` does it for all-reduces with one flat
+  buffer instead, for where XLA cannot take a tuple-shaped one (Shardy `shard_map` bodies).
 
-Only synchronous collectives are combined. XLA's combiners run before its async conversion,
+Only synchronous collectives are combined, and none with control dependencies (XLA's
+`DoNotCombineWithControlDependencies`). XLA's combiners run before its async conversion,
 and XLA itself cannot lower a tuple-shaped `all-reduce-start` or `all-gather-start` to
 StableHLO (so such a result could not even be executed here); `*-start`/`*-done` pairs and
 `async-start` wrappers are left as they are, and they still count as dependencies.
@@ -22,11 +27,12 @@ StableHLO (so such a result could not even be executed here); `*-start`/`*-done`
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections import Counter
 from typing import Callable, Hashable, Iterable, Sequence
 
-from hlo_tools import HloComputation, HloInstruction, HloModule
-from hlo_tools.attributes import FrontendAttributes, Raw, Sharding
+from hlo_tools import HloComputation, HloInstruction, HloModule, SliceSpec
+from hlo_tools.attributes import AttrError, FrontendAttributes, Metadata, Raw, Sharding, split_top_level
 from hlo_tools.opcodes import async_wrapped_opcode
 from hlo_tools.printer import format_value
 from hlo_tools.shape import Layout, Shape
@@ -106,6 +112,9 @@ def collective_dimension(instr: HloInstruction) -> int:
     return attr_ints(instr.attrs, "dimensions")[0]
 
 
+# The frontend attribute that puts collectives in launch groups; different values never combine.
+COLLECTIVE_GROUP_KEY = "collective_group_key"
+
 # Collectives that cut their operand, or assemble their result, along one dimension.
 DIMENSIONED_COLLECTIVES = ("all-gather", "reduce-scatter", "all-to-all")
 
@@ -149,11 +158,13 @@ def collective_key(instr: HloInstruction, *, by_dimension: bool = True) -> tuple
     when `instr` must not be combined at all.
 
     Equal keys mean: same opcode, replica groups, channel-id presence (cross-replica and
-    cross-partition collectives differ in what the groups number), `use_global_device_ids`
-    and reduction computation (by structure, which covers the element type of reducing
-    collectives); the gather/scatter dimension when `by_dimension`. Element types of
-    all-gathers do not count (XLA's default). Layout-constrained collectives, malformed
-    replica groups and results that are not arrays give None.
+    cross-partition collectives differ in what the groups number), `use_global_device_ids`,
+    reduction computation (by structure, which covers the element type of reducing
+    collectives) and `collective_group_key` frontend attribute (collectives a frontend put in
+    different launch groups stay apart, as in XLA); the gather/scatter dimension when
+    `by_dimension`. Element types of all-gathers do not count (XLA's default).
+    Layout-constrained collectives, malformed replica groups and results that are not arrays
+    give None.
     """
     if attr_bool(instr.attrs, "constrain_layout"):
         return None
@@ -162,11 +173,48 @@ def collective_key(instr: HloInstruction, *, by_dimension: bool = True) -> tuple
     groups = replica_groups_key(instr)
     if groups is None:
         return None
+    frontend = instr.attrs.get("frontend_attributes")
+    group_key = frontend.get(COLLECTIVE_GROUP_KEY) if isinstance(frontend, FrontendAttributes) else None
     key = (instr.opcode, groups, "channel_id" in instr.attrs, attr_bool(instr.attrs, "use_global_device_ids"),
-           reducer_key(instr))
+           reducer_key(instr), group_key)
     if by_dimension and "dimensions" in instr.attrs:
         key += (collective_dimension(instr),)
     return key
+
+
+# -- thresholds ----------------------------------------------------------------------------------------
+
+# XLA's combiner thresholds (bytes, operand count) on each platform:
+# * cpu: no byte limit, 256 operands: `CpuAllReduceCombiner(kCombineBytes, kCombineCount)` with
+#   `kCombineBytes = std::numeric_limits<int64_t>::max()`, `kCombineCount = 256`
+#   (xla/service/cpu/cpu_compiler.cc, RunHloPassesAfterLayoutAssn; XLA's CPU pipeline has no
+#   all-gather or reduce-scatter combiner, ours use the same limits there);
+# * cuda, rocm: 30 MiB, 256 operands: `xla_gpu_all_reduce_combine_threshold_bytes`,
+#   `..._all_gather_...` and `..._reduce_scatter_...` default to 30 * 1024 * 1024
+#   (xla/debug_options_flags.cc, kDefault*CombineThreshold), count 256 (xla/service/gpu/gpu_compiler.cc,
+#   RunPostFusionPasses);
+# * tpu: libtpu's compiler is not open source and states no default; GPU's are used.
+# Offline (xla-opt, the Python API), where no platform is known, the default is GPU's.
+GPU_THRESHOLDS = (30 * 1024 * 1024, 256)
+PLATFORM_THRESHOLDS = {"cpu": (2**63 - 1, 256), "cuda": GPU_THRESHOLDS, "rocm": GPU_THRESHOLDS, "tpu": GPU_THRESHOLDS}
+OFFLINE_THRESHOLDS = GPU_THRESHOLDS
+THRESHOLD_OPTIONS = ("threshold_bytes", "threshold_count")
+
+
+def combiner_thresholds(hlo_pass) -> dict[str, int]:
+    """A combiner pass's `threshold_bytes` and `threshold_count`, the offline defaults where unset (None)."""
+    return {option: default if getattr(hlo_pass, option) is None else getattr(hlo_pass, option)
+            for option, default in zip(THRESHOLD_OPTIONS, OFFLINE_THRESHOLDS)}
+
+
+def apply_platform_thresholds(passes: Iterable, platform: str) -> None:
+    """Give every combiner among `passes` the thresholds XLA uses on `platform` where its own
+    are unset (what the JAX hook does: it knows the platform it compiles for)."""
+    defaults = PLATFORM_THRESHOLDS.get(platform, OFFLINE_THRESHOLDS)
+    for hlo_pass in passes:
+        for option, default in zip(THRESHOLD_OPTIONS, defaults):
+            if getattr(hlo_pass, option, default) is None:
+                setattr(hlo_pass, option, default)
 
 
 # -- grouping ------------------------------------------------------------------------------------------
@@ -204,10 +252,16 @@ def combine_by_key(comp: HloComputation, key_of: Callable[[HloInstruction], Hash
     Each round walks the computation in post order. The first instruction that still has a
     key opens a group; later ones of the same key join it until adding one would pass
     `threshold_bytes` (bytes of the results) or `threshold_count` (operands of the combined
-    op), or one depends on a member. Then the group goes to `combine` (when it has two
-    members or more) and the next round starts from what is left. An instruction that is
-    over a threshold on its own is never combined. Members are in post order, so the result
-    does not depend on dictionary order.
+    op). One that depends on a member is passed over and left for a later round, and the walk
+    goes on: two independent chains `a2(a1)`, `b2(b1)` become the groups `a1+b1` and `a2+b2`
+    (XLA's `IndependentBlocksWithDependentStages`). A group of two members or more goes to
+    `combine`, and the next round starts from what is left. An instruction that is over a
+    threshold on its own is never combined. Members are in post order, so the result does not
+    depend on dictionary order.
+
+    Passing over a dependent instruction cannot make a cycle: whatever joins later comes after
+    it in post order, so it is either downstream of it (and so of a member: passed over too) or
+    independent of it.
 
     `combine(members)` rewrites the members away; returns whether anything was combined.
     """
@@ -230,9 +284,9 @@ def combine_by_key(comp: HloComputation, key_of: Callable[[HloInstruction], Hash
             if size > threshold_bytes or count > threshold_count:
                 del keys[instr]  # can never be combined with anything
                 continue
-            if group_bytes + size > threshold_bytes or group_count + count > threshold_count:
-                break
             if tracker.depends_on_sources(instr):
+                continue  # a later group takes it
+            if group_bytes + size > threshold_bytes or group_count + count > threshold_count:
                 break
             group.append(instr)
             group_key, group_bytes, group_count = key, group_bytes + size, group_count + count
@@ -244,6 +298,55 @@ def combine_by_key(comp: HloComputation, key_of: Callable[[HloInstruction], Hash
             combine(group)
             changed = True
     return changed
+
+
+def domain_metadata(comp: HloComputation) -> dict[HloInstruction, Hashable] | None:
+    """Which sharding domain each instruction of `comp` is in, as XLA's `HloDomainMap` says it:
+    None when `comp` has no `domain` instruction.
+
+    The `domain` instructions cut the computation into regions (instructions connected through
+    operands without crossing one). A region that reads a `domain` takes that domain's user
+    side (`entry=`); one that only feeds a `domain`, its operand side (`exit=`); one with no
+    `domain` around it, None. Regions with equal metadata count as one domain (XLA's
+    `CombineFromTwoDomainsWithSameMetadata`).
+    """
+    instructions = comp.instructions
+    if not any(instr.opcode == "domain" for instr in instructions):
+        return None
+    region_of: dict[HloInstruction, int] = {}
+    metadata: list[Hashable] = []
+    for start in instructions:
+        if start.opcode == "domain" or start in region_of:
+            continue
+        region, entered, exited, stack = len(metadata), None, None, [start]
+        region_of[start] = region
+        while stack:
+            instr = stack.pop()
+            for neighbour in (*instr.operands, *instr.users):
+                if neighbour.opcode == "domain":
+                    if neighbour in instr.operands and entered is None:
+                        entered = _domain_side(neighbour, "entry")
+                    elif neighbour in instr.users and exited is None:
+                        exited = _domain_side(neighbour, "exit")
+                elif neighbour not in region_of:
+                    region_of[neighbour] = region
+                    stack.append(neighbour)
+        metadata.append(entered if entered is not None else exited)
+    return {instr: metadata[region] for instr, region in region_of.items()}
+
+
+def _domain_side(domain: HloInstruction, side: str) -> str:
+    """The `entry=` (user side) or `exit=` (operand side) metadata of a `domain`, normalized."""
+    text = str(domain.attrs.get("domain", ""))
+    for piece in split_top_level(text.strip()[1:-1]):
+        key, _, value = piece.partition("=")
+        if key.strip() == side:
+            value = " ".join(value.split())
+            try:
+                return str(Sharding.parse(value))
+            except AttrError:
+                return value
+    return ""
 
 
 # Text that every instruction wrapping a computation (fusion, async op) has in its opcode: an
@@ -290,25 +393,28 @@ def run_combiner(module: HloModule, opcode: str, key_of: Callable[[HloInstructio
                  threshold_count: int, scope: CombinerScope | None = None) -> bool:
     """Combine the `opcode` collectives of every combinable computation of `module`.
 
-    `key_of` is only asked about instructions of `opcode`. Computations with `domain`
-    instructions are skipped (XLA combines only within one sharding domain; these are left
-    alone rather than split by domain). Computations that changed are put back in an order
-    where definitions come before uses (a combined op sits where its first member's users
-    need it). `scope` is `combiner_scope(module)` when the caller has it already.
+    `key_of` is only asked about instructions of `opcode` without control dependencies.
+    Where a computation has `domain` instructions, only collectives of one domain combine
+    (`domain_metadata`). Computations that changed are put back in an order where definitions
+    come before uses (a combined op sits where its first member's users need it). `scope` is
+    `combiner_scope(module)` when the caller has it already.
     """
     scope = scope or combiner_scope(module)
     if opcode in scope.layout_constrained:
         return False
 
-    def key(instr):
-        return key_of(instr) if instr.opcode == opcode else None
-
     changed = False
     for comp in scope.computations:
         if not comp.may_contain_text((opcode,)):
             continue  # left unparsed: it has no `opcode` collective
-        if any(instr.opcode == "domain" for instr in comp.instructions):
-            continue
+        domains = domain_metadata(comp)
+
+        def key(instr):
+            if instr.opcode != opcode or instr.control_predecessors or instr.control_successors:
+                return None
+            own = key_of(instr)
+            return own if own is None or domains is None else (domains[instr], own)
+
         if combine_by_key(comp, key, combine, threshold_bytes=threshold_bytes, threshold_count=threshold_count):
             comp.sort_topologically()
             changed = True
@@ -320,6 +426,38 @@ def run_combiner(module: HloModule, opcode: str, key_of: Callable[[HloInstructio
 def result_shapes(instr: HloInstruction) -> list[Shape]:
     """One result shape per operand of a synchronous collective (its tuple elements, or its shape)."""
     return list(instr.shape.tuple_shapes) if instr.shape.is_tuple else [instr.shape]
+
+
+def flat_vector(dtype: str, size: int) -> Shape:
+    """The 1-D shape of a flat buffer (row-major)."""
+    return Shape.array(dtype, (size,), layout=(0,))
+
+
+def flat_buffer(operands: Sequence[HloInstruction], add: Callable[..., HloInstruction]) -> HloInstruction:
+    """`operands` (of one element type) flattened to 1-D and concatenated into one buffer.
+
+    `add(opcode, operands, shape=None, *, role=None, **attrs)` creates each instruction
+    (`role` names it where the opcode alone would not)."""
+    dtype = operands[0].shape.dtype
+    pieces = [op if op.shape.rank == 1 else add("reshape", [op], flat_vector(dtype, op.shape.element_count),
+                                                 role="flat")
+              for op in operands]
+    return pieces[0] if len(pieces) == 1 else add("concatenate", pieces, dimensions=(0,))
+
+
+def split_flat_buffer(buffer: HloInstruction, shapes: Sequence[Shape],
+                      add: Callable[..., HloInstruction]) -> list[HloInstruction]:
+    """The pieces of a flat buffer (the inverse of `flat_buffer`), reshaped to `shapes`; the
+    buffer may be longer than they need (padding at its end)."""
+    pieces, offset = [], 0
+    for shape in shapes:
+        count = shape.element_count
+        piece = buffer
+        if count != buffer.shape.dims[0]:
+            piece = add("slice", [buffer], slice=SliceSpec(((offset, offset + count, 1),)))
+        pieces.append(piece if shape.rank == 1 else add("reshape", [piece], shape))
+        offset += count
+    return pieces
 
 
 def swap_permutation(rank: int, a: int, b: int) -> tuple[int, ...]:
@@ -365,32 +503,52 @@ def combined_sharding(members: Sequence[HloInstruction]) -> Sharding | None:
     return Sharding.tuple_of(elements)
 
 
-def common_frontend_attributes(members: Sequence[HloInstruction]) -> FrontendAttributes | None:
-    """The frontend attributes every member has with the same value (None when there are none)."""
-    items = None
+def merged_frontend_attributes(members: Sequence[HloInstruction]) -> FrontendAttributes | None:
+    """The members' frontend attributes in one, as XLA merges them: a value all members that
+    have the key agree on as it is, differing values sorted and comma-joined
+    (`color="blue,red"`); None when no member has any."""
+    values: dict[str, list[str]] = {}
     for member in members:
         attrs = member.attrs.get("frontend_attributes")
-        if not isinstance(attrs, FrontendAttributes):
-            return None
-        items = list(attrs.items) if items is None else [item for item in items if item in attrs.items]
-    return FrontendAttributes(tuple(items)) if items else None
+        for key, value in (attrs.items if isinstance(attrs, FrontendAttributes) else ()):
+            values.setdefault(key, []).append(value)
+    if not values:
+        return None
+    return FrontendAttributes(tuple((key, ",".join(sorted(set(vals)))) for key, vals in values.items()))
+
+
+def merged_metadata(members: Sequence[HloInstruction]) -> Metadata | None:
+    """The first member's metadata with every member's `op_name` in it, as XLA merges them:
+    the common prefix up to a `/` once, then the rest of each name, `:`-joined in parentheses
+    (`model/layer/ag_0` and `model/layer/ag_1` give `model/layer/(ag_0:ag_1)`)."""
+    first = members[0].attrs.get("metadata")
+    names = [m.attrs["metadata"].get("op_name") for m in members if isinstance(m.attrs.get("metadata"), Metadata)]
+    names = list(dict.fromkeys(name for name in names if name))
+    if not isinstance(first, Metadata) or len(names) < 2:
+        return first
+    prefix = os.path.commonprefix(names)
+    prefix = prefix[:prefix.rfind("/") + 1]
+    return first.replace(op_name=f"{prefix}({':'.join(name[len(prefix):] for name in names)})")
 
 
 def combined_attributes(members: Sequence[HloInstruction], dimension: int | None) -> dict:
     """The attributes of the op that replaces `members`: the first member's communication
-    attributes and metadata (in its order), `dimension` as gather/scatter dimension, the
-    tuple of the members' shardings, the frontend attributes they share and the backend
-    config when all have the same one. Anything else (e.g. statistics) is dropped."""
+    attributes, `dimension` as gather/scatter dimension, the tuple of the members' shardings,
+    their merged frontend attributes and metadata, and the backend config when all have the
+    same one, in XLA's printing order. Anything else (e.g. statistics) is dropped."""
     first = members[0]
-    attrs = {key: value for key, value in first.attrs.items() if key in _COMMUNICATION_ATTRS or key == "metadata"}
+    attrs = {key: value for key, value in first.attrs.items() if key in _COMMUNICATION_ATTRS}
     if dimension is not None:
         attrs["dimensions"] = (dimension,)
     sharding = combined_sharding(members)
     if sharding is not None:
         attrs["sharding"] = sharding
-    frontend = common_frontend_attributes(members)
+    frontend = merged_frontend_attributes(members)
     if frontend is not None:
         attrs["frontend_attributes"] = frontend
+    metadata = merged_metadata(members)
+    if metadata is not None:
+        attrs["metadata"] = metadata
     config = first.attrs.get("backend_config")
     if config is not None and all(_same_attr("backend_config", config, m.attrs.get("backend_config"))
                                   for m in members):
@@ -511,6 +669,63 @@ def combine_collectives(members: Sequence[HloInstruction], dimension: int | None
             unread[instr] = None
     comp.remove_instructions([*unused, *unread])  # one pass over the instruction list
     return combined
+
+
+def combine_all_reduces_flat(members: Sequence[HloInstruction]) -> HloInstruction:
+    """Replace all-reduces `members` (of one key, none depending on another) by one all-reduce
+    of a flat buffer, and return it: every operand flattened and concatenated, the sums sliced
+    apart and reshaped back (what TPU runtimes do with fused gradients)::
+
+        a = f32[8,4] all-reduce(x), ...
+        b = f32[4] all-reduce(y), ...
+                                  =>
+        all-reduce.flat = f32[32]{0} reshape(x)
+        all-reduce.concatenate = f32[36]{0} concatenate(all-reduce.flat, y), dimensions={0}
+        all-reduce = f32[36]{0} all-reduce(all-reduce.concatenate), ...
+        all-reduce.slice = f32[32]{0} slice(all-reduce), slice={[0:32]}
+        all-reduce.reshape = f32[8,4] reshape(all-reduce.slice)
+        all-reduce.slice.1 = f32[4]{0} slice(all-reduce), slice={[32:36]}
+
+    The same sums as the members' (XLA's CPU runtime may add an element's contributions in
+    another order in a longer buffer: the last bit may differ). It is the form XLA takes where
+    it refuses a tuple-shaped all-reduce: inside a Shardy `shard_map` body before XLA's
+    optimizations (jaxlib 0.10.2: "Sharding is tuple-shaped but validation shape is not").
+    The flat op keeps a sharding only when every member has the same one.
+    """
+    tupled = combine_collectives(members)
+    comp = tupled.parent
+
+    def add(opcode, operands, shape=None, *, role=None, **attrs):
+        return comp.add_instruction(opcode, operands, shape, name=f"{tupled.name}.{role or opcode}", attrs=attrs,
+                                    before=tupled)
+
+    buffer = flat_buffer(tupled.operands, add)
+    attrs = {key: value for key, value in tupled.attrs.items() if key != "sharding"}
+    shardings = leaf_shardings(tupled)
+    if shardings and len(set(map(str, shardings))) == 1:
+        attrs["sharding"] = shardings[0]
+    flat = comp.add_instruction("all-reduce", [buffer], buffer.shape, attrs=attrs, before=tupled)
+    name = tupled.name
+    replace_with_elements(tupled, split_flat_buffer(flat, result_shapes(tupled), add))
+    flat.rename(name)
+    return flat
+
+
+SHARDY_BODY_PREFIX = "xla.sdy.manual_computation_body"
+
+
+def in_shardy_body(instr: HloInstruction) -> bool:
+    """Whether `instr` is in the body of a Shardy `shard_map` (`xla.sdy.manual_computation_body*`),
+    a per-device computation inside a module XLA has yet to partition: there XLA of jaxlib
+    0.10.2 refuses tuple-shaped all-reduces and reduce-scatters and aborts on tuple-shaped
+    all-gathers when it compiles the module."""
+    return instr.parent.name.startswith(SHARDY_BODY_PREFIX)
+
+
+def tuple_combinable_key(instr: HloInstruction, *, by_dimension: bool = True) -> tuple | None:
+    """`collective_key` for collectives whose combined form is tuple-shaped (all-gather,
+    reduce-scatter): None in a Shardy body, where XLA cannot compile that form (`in_shardy_body`)."""
+    return None if in_shardy_body(instr) else collective_key(instr, by_dimension=by_dimension)
 
 
 def most_frequent_dimension(members: Iterable[HloInstruction]) -> int:

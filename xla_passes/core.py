@@ -127,7 +127,9 @@ def _format_option(value) -> str:
 
 
 def _convert(text: str, kind, key: str, pass_name: str):
-    """Option text -> the field's type (int, float, bool, str)."""
+    """Option text -> the field's type (int, float, bool, str; `int | None` converts as int: None is
+    only ever a default, meaning the pass decides)."""
+    kind = next((k for k in typing.get_args(kind) if k is not type(None)), kind)
     try:
         if kind is bool:
             lowered = text.lower()

@@ -49,6 +49,7 @@ from hlo_tools import proto_patch, xla_bridge
 from hlo_tools.parser import garbage_collection_paused
 
 from . import validation
+from .collectives import apply_platform_thresholds
 from .configuration import (ALL_PLATFORMS, CHECK_VARIABLE, PRE_SCHEDULER, STRICT_VARIABLE, ConfigurationError,
                             Settings, configured_settings)
 from .core import PassError
@@ -258,6 +259,7 @@ def rewrite_module(module_proto: bytes, settings: Settings, platform: str = "cpu
     start = time.perf_counter()
     try:
         pipeline = Pipeline(settings.passes, dump_to=settings.dump_to, module_number=number, layouts_final=True)
+        apply_platform_thresholds(pipeline.all_passes(), platform)
         if not settings.dump_to and not pipeline.could_change(functools.partial(proto_patch.opcode_count, module_proto)):
             logger.info("xla_passes: module_%04d %s: skipped, nothing the passes act on, in %.1f ms", number,
                         proto_patch.module_name(module_proto), 1e3 * (time.perf_counter() - start))
@@ -333,7 +335,9 @@ def _check(original: bytes, rewritten: bytes, module, pipeline: Pipeline, settin
 def _first_wrong_pass(original: bytes, settings: Settings, check) -> tuple[str, "validation.Verdict"] | None:
     """The first top-level item of the pipeline after which the module differs, and that verdict."""
     module = hlo_tools.parse_module(xla_bridge.proto_to_text(original), lazy_bodies=True)
-    for item in Pipeline(settings.passes).passes:
+    pipeline = Pipeline(settings.passes)
+    apply_platform_thresholds(pipeline.all_passes(), "cpu")  # the check runs CPU compiles only
+    for item in pipeline.passes:
         if Pipeline([item], layouts_final=True).run(module):
             verdict = check(xla_bridge.text_to_proto(module.to_text()))
             if not verdict.ok:

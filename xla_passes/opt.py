@@ -64,8 +64,9 @@ def list_passes() -> str:
     for name, cls in registered_passes().items():
         lines.append(f"{name:28} {cls.description()}")
         for field in cls.option_fields():
-            kind = getattr(field.type, "__name__", field.type)
-            lines.append(f"{'':30}{field.name}: {kind} = {field.default!r}")
+            kind = str(getattr(field.type, "__name__", field.type)).removesuffix(" | None")
+            default = "the platform's default" if field.default is None else repr(field.default)
+            lines.append(f"{'':30}{field.name}: {kind} = {default}")
     lines.append(f"{'fixed-point(...)':28} Repeat the passes in parentheses until none changes the module.")
     lines.append(f"{'':30}max_iterations: int = 25")
     return "\n".join(lines) + "\n"
@@ -126,6 +127,24 @@ def optimize(text: str, passes: str, *, path: str, split: bool = False, verify: 
     return f"\n{SPLIT_MARKER}\n".join(out.rstrip("\n") + "\n" for out in outputs) if split else outputs[0]
 
 
+def check_inputs(text: str, original: str, assume_all: bool = False) -> list[np.ndarray]:
+    """Random global inputs for the module `text` as `--check` feeds it: in a replica program
+    the parameters `original` declares replicated (all, with `assume_all`) get the same slice on
+    every replica, since a pass may rely on that.
+
+    Raises:
+      runner.RunError: XLA cannot load `text`.
+    """
+    from hlo_tools import runner  # noqa: PLC0415 - compiles with XLA
+
+    loaded = runner.load_module(text, "check")
+    inputs = runner.random_inputs(loaded.global_signature())
+    if loaded.mode == "replica":  # slice i goes to replica i: replicated parameters get equal slices
+        for number in validation.replicated_parameters(hlo_tools.parse_module(original), assume_all):
+            inputs[number] = np.broadcast_to(inputs[number][:1], inputs[number].shape).copy()
+    return inputs
+
+
 def _check(original: str, module: hlo_tools.HloModule, pipeline: Pipeline) -> None:
     """Translation validation of an offline rewrite: both modules on the same global inputs
     (replicated where the passes may assume it), compared within `validation`'s bounds."""
@@ -134,11 +153,7 @@ def _check(original: str, module: hlo_tools.HloModule, pipeline: Pipeline) -> No
     rewritten = module.to_text()
     assume_all = any(getattr(p, "assume_replicated_parameters", False) for p in pipeline.all_passes())
     try:
-        loaded = runner.load_module(rewritten, module.name)
-        inputs = runner.random_inputs(loaded.global_signature())
-        if loaded.mode == "replica":  # slice i goes to replica i: replicated parameters get equal slices
-            for number in validation.replicated_parameters(hlo_tools.parse_module(original), assume_all):
-                inputs[number] = np.broadcast_to(inputs[number][:1], inputs[number].shape).copy()
+        inputs = check_inputs(rewritten, original, assume_all)
         outcome = runner.compare_modules(rewritten, original, inputs, isolate=True,
                                          abs_error_bound=validation.ABS_ERROR_BOUND,
                                          rel_error_bound=validation.REL_ERROR_BOUND)

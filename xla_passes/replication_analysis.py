@@ -35,6 +35,7 @@ DEVICE_DEPENDENT = frozenset({
     "recv", "recv-done", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute",
     "collective-permute-start", "collective-permute-done", "collective-broadcast",
 })
+_DEVICE_DEPENDENT_WORDS = tuple(sorted(DEVICE_DEPENDENT))
 _GROUP_UNIFORM_COLLECTIVES = frozenset({"all-reduce", "all-gather"})
 
 _SDY_MESH = re.compile(r'(\w+)\s*=\s*#sdy\.mesh<\[([^\]]*)\](?:\s*,\s*device_ids=\[([\d,\s]*)\])?>')
@@ -81,7 +82,7 @@ class ReplicationAnalysis:
         self.assume_replicated_parameters = assume_replicated_parameters
         self._values: dict[HloInstruction, object] = {}
         self._pure_computations: dict[HloComputation, bool] = {}
-        self._callers = self.module.callers().get(comp, [])
+        self._callers: list[HloInstruction] | None = None
         self._caller_analysis: ReplicationAnalysis | None = None
         for instr in comp.post_order():
             self._values[instr] = self._compute(instr)
@@ -118,6 +119,8 @@ class ReplicationAnalysis:
     def _pure(self, comp: HloComputation) -> bool:
         """Whether `comp` (and what it calls) gives every device the same result for the same
         operands: it has no device-dependent instruction."""
+        if not comp.may_contain_text(_DEVICE_DEPENDENT_WORDS):
+            return True  # a body left unparsed (a fusion, at JAX's hook) that names none of them
         if comp not in self._pure_computations:
             self._pure_computations[comp] = True  # recursion guard
             self._pure_computations[comp] = all(
@@ -131,6 +134,8 @@ class ReplicationAnalysis:
         comp = self.comp
         if comp.is_entry:
             return self._entry_parameter(param)
+        if self._callers is None:  # read lazily: finding them parses every body of a lazily parsed module
+            self._callers = self.module.callers().get(comp, [])
         if len(self._callers) == 1 and self._callers[0].opcode == "call":
             return self._called_parameter(self._callers[0], param.parameter_number)
         return False

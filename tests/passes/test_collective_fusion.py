@@ -13,6 +13,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import hlo_tools
 import xla_passes
@@ -156,10 +157,37 @@ def test_pipeline_text_builds_each_combiner_with_its_options():
     assert (fusion.threshold_bytes, fusion.threshold_count, fusion.combine_by_dim) == (1024, 4, False)
     assert str(fusion) == text
     passes = xla_passes.parse_pipeline("all-reduce-combiner,all-gather-combiner,reduce-scatter-combiner")
-    assert [p.threshold_bytes for p in passes] == [30 * 1024 * 1024] * 3
-    assert [p.threshold_count for p in passes] == [256] * 3
+    assert [p.threshold_bytes for p in passes] == [None] * 3   # unset: the platform's
+    assert [collectives.combiner_thresholds(p) for p in passes] == [
+        {"threshold_bytes": 30 * 1024 * 1024, "threshold_count": 256}] * 3   # offline: GPU's
     with pytest.raises(xla_passes.PassError, match="combine_by_dim"):
         xla_passes.parse_pipeline("all-reduce-combiner{combine_by_dim=true}")
+
+
+@pytest.mark.parametrize("platform, threshold_bytes", [("cpu", 2**63 - 1), ("cuda", 30 << 20), ("tpu", 30 << 20)])
+def test_platform_thresholds_fill_in_only_what_is_unset(platform, threshold_bytes):
+    """What the JAX hook does with the platform it compiles for: XLA's thresholds there, unless
+    the pipeline gives its own."""
+    passes = xla_passes.parse_pipeline("collective-fusion,all-gather-combiner{threshold_bytes=64},dce")
+    collectives.apply_platform_thresholds(passes, platform)
+    assert (passes[0].threshold_bytes, passes[0].threshold_count) == (threshold_bytes, 256)
+    assert (passes[1].threshold_bytes, passes[1].threshold_count) == (64, 256)
+
+
+@pytest.mark.parametrize("platform, combined", [("cpu", 1), ("cuda", 4)])
+def test_94_mb_of_gradients_combine_as_xla_does_on_the_platform(platform, combined):
+    """ResNet50-sized gradients (10 of 9.4 MB): one all-reduce with XLA's CPU thresholds, groups
+    of three under GPU's 30 MiB."""
+    names = [f"g{k}" for k in range(10)]
+    lines = [f"{name} = f32[2457600] parameter({k})" for k, name in enumerate(names)]
+    lines += [f"r{name} = f32[2457600] all-reduce({name}), replica_groups={{}}, to_apply=add" for name in names]
+    lines.append(f"ROOT t = ({', '.join(['f32[2457600]'] * 10)}) tuple({', '.join('r' + n for n in names)})")
+    module = hlo_tools.parse_module("HloModule resnet_sized, replica_count=8\n" + REDUCERS
+                                    + "\nENTRY main {\n  " + "\n  ".join(lines) + "\n}\n")
+    passes = xla_passes.parse_pipeline("collective-fusion")
+    collectives.apply_platform_thresholds(passes, platform)
+    xla_passes.run_passes(module, passes)
+    assert counts(module)["all-reduce"] == combined
 
 
 # -- keys --------------------------------------------------------------------------------------------------
@@ -321,44 +349,80 @@ def pmap_mlp_step(layers: int):
     ("all-reduce-combiner{threshold_count=5}", 5),
 ])
 def test_pmap_gradient_psums_combine(passes, expected):
-    """JAX's module before XLA's optimizations: 24 psums in a shard_map body, all on
-    channel 1. Through `hlo_tools.runner` a tuple-shaped all-reduce with a channel id does
-    not compile (Shardy: "Sharding is tuple-shaped but validation shape is not"), so this
-    checks the rewrite and that XLA parses it; the same step runs in
-    `test_combiners_inside_xla_pass_hook`."""
+    """JAX's module before XLA's optimizations: 24 psums in a Shardy shard_map body, all on
+    channel 1. XLA refuses a tuple-shaped all-reduce there, so each group is one all-reduce of a
+    flat buffer, which runs and sums bit for bit what the 24 did."""
     text = pmap_mlp_step(12)
-    assert counts(hlo_tools.parse_module(text))["all-reduce"] == 24
-    module = hlo_tools.parse_module(text)
-    assert xla_passes.run_passes(module, passes)
-    assert counts(module)["all-reduce"] == expected
+    before = [i for i in hlo_tools.parse_module(text).instructions() if i.opcode == "all-reduce"]
+    assert len(before) == 24
+    module = run_and_compare(text, passes, num_partitions=8)
     combined = [i for i in module.instructions() if i.opcode == "all-reduce"]
-    assert sum(i.operand_count for i in combined) == 24
-    assert all(i.parent.name.startswith("xla.sdy.manual_computation_body") for i in combined)
-    assert xla_bridge.canonical_text(module.to_text()).startswith("HloModule ")
+    assert len(combined) == expected
+    assert all(i.shape.is_array and i.parent.name.startswith(collectives.SHARDY_BODY_PREFIX) for i in combined)
+    assert sum(i.shape.element_count for i in combined) == sum(i.shape.element_count for i in before)
 
 
-@pytest.mark.parametrize("program, before, after", [
-    ("shard_map_mlp", 5, 3), ("flax_cnn_adam", 13, 7), ("pmap_psum", 2, 1)])
-def test_jax_shard_map_modules(program, before, after, jax_modules):
-    """JAX's data-parallel steps before optimization. Under shard_map each gradient is
-    all-reduced twice (psum_invariant, then pmean), and as in XLA a group ends at the first
-    all-reduce that reads one of its members: the shard_map MLP's 5 become 3, as XLA's own
-    combiner makes them at the pass hook (`pass_hook_modules`), the flax step's 13 become 7."""
-    module = hlo_tools.parse_module(jax_modules[f"jax.{program}.before"])
-    assert counts(module)["all-reduce"] == before
-    xla_passes.run_passes(module, "collective-fusion")
-    hlo_tools.verify(module)
-    assert counts(module)["all-reduce"] == after
-    assert xla_bridge.canonical_text(module.to_text()).startswith("HloModule ")
+@pytest.mark.parametrize("program, before, combined_alone", [
+    ("shard_map_mlp", 5, 2), ("flax_cnn_adam", 13, 2), ("pmap_psum", 2, 1)])
+def test_jax_shard_map_modules(program, before, combined_alone, jax_modules):
+    """JAX's data-parallel steps before optimization (Shardy). Under shard_map each gradient is
+    all-reduced twice (psum_invariant, then pmean), each reading the one before: the simplifier
+    removes the second (its operand is the same on every device), and what is left combines
+    into one flat all-reduce, whose results match the original's within float rounding (a sum of
+    8 equal values against their product with 8). The combiners alone, passing over the
+    dependent all-reduces, leave two groups where XLA's chain-closing grouping left 3 and 7."""
+    text = jax_modules[f"jax.{program}.before"]
+    assert counts(hlo_tools.parse_module(text))["all-reduce"] == before
+    combined = hlo_tools.parse_module(text)
+    xla_passes.run_passes(combined, "collective-fusion{simplify=false}")
+    assert counts(combined)["all-reduce"] == combined_alone
+    module = run_and_compare(text, "collective-fusion", exact=False)
+    assert counts(module)["all-reduce"] == 1
+
+
+def shard_map_module(program, shapes, out_specs) -> str:
+    """JAX's HLO (before XLA's optimizations, Shardy) of `program` under shard_map over 8 devices,
+    every argument split along its first dimension."""
+    mesh = jax.make_mesh((8,), ("d",))
+    fn = jax.jit(jax.shard_map(program, mesh=mesh, in_specs=tuple(P("d") for _ in shapes), out_specs=out_specs,
+                               check_vma=False))
+    args = [jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, P("d"))) for shape in shapes]
+    return fn.lower(*args).compiler_ir("hlo").as_hlo_text()
+
+
+def test_shard_map_psums_combine_into_one_flat_all_reduce_that_xla_compiles():
+    """The issue's reproduction: XLA refused the tuple all-reduce in the shard_map body ("Sharding
+    is tuple-shaped but validation shape is not"); the flat buffer compiles and sums bit for bit
+    what the two psums did."""
+    text = shard_map_module(lambda a, b: (jax.lax.psum(jnp.tanh(a), "d"), jax.lax.psum(jnp.sin(b), "d")),
+                            [(64, 4), (32,)], (P(), P()))
+    module = run_and_compare(text, "all-reduce-combiner", num_partitions=8)
+    (combined,) = [i for i in module.instructions() if i.opcode == "all-reduce"]
+    assert combined.shape.dims == (8 * 4 + 4,) and combined.operand(0).opcode == "concatenate"
+
+
+def test_shard_map_gathers_and_scatters_are_left_alone():
+    """XLA of jaxlib 0.10.2 aborts on a tuple all-gather in a shard_map body and refuses a tuple
+    reduce-scatter there, so neither combiner touches a Shardy body."""
+    def program(a, b):
+        return (jax.lax.all_gather(jnp.tanh(a), "d", tiled=True), jax.lax.all_gather(jnp.sin(b), "d", tiled=True),
+                jax.lax.psum_scatter(jnp.tanh(a), "d", tiled=True), jax.lax.psum_scatter(jnp.cos(a), "d", tiled=True))
+
+    text = shard_map_module(program, [(64, 4), (32,)], (P(), P(), P("d"), P("d")))
+    module = hlo_tools.parse_module(text)
+    assert not xla_passes.run_passes(module, "all-gather-combiner,reduce-scatter-combiner")
 
 
 def test_pass_hook_module_only_has_dependent_all_reduces(pass_hook_modules):
-    """The shard_map step at XLA's PRE_SCHEDULER stage, after XLA's own combiner: each
-    all-reduce left reads the one before it, so nothing more may combine."""
+    """The shard_map step at XLA's stages, after XLA's own combiner: each all-reduce left reads
+    the one before it, so the combiners alone change nothing; with the simplifier first, the
+    redundant halves of XLA's tuples go and the rest combine into one."""
     for name, text in pass_hook_modules.items():
         module = hlo_tools.parse_module(text)
-        assert not xla_passes.run_passes(module, "collective-fusion"), name
         assert counts(module)["all-reduce"] == 3
+        assert not xla_passes.run_passes(module, "collective-fusion{simplify=false}"), name
+        assert xla_passes.run_passes(module, "collective-fusion"), name
+        assert counts(module)["all-reduce"] == 1
 
 
 def test_combiners_inside_xla_pass_hook(tmp_path):
@@ -366,19 +430,20 @@ def test_combiners_inside_xla_pass_hook(tmp_path):
     own combiner off), XLA compiles and runs what it returns; outputs are bit for bit those
     without the hook. Tuple reduce-scatters only run this way."""
     report_path = tmp_path / "report.json"
-    small = "collective-fusion{threshold_bytes=4096,combine_by_dim=false}"
+    large = "collective-fusion{simplify=false}"   # bit for bit: no sum of equal values becomes a product
+    small = "collective-fusion{threshold_bytes=4096,combine_by_dim=false,simplify=false}"
     paths = [os.path.dirname(os.path.dirname(HERE)), os.environ.get("PYTHONPATH", "")]
     # XLA_PASSES* would switch on the installed JAX plugin's own hook in the worker too.
     env = {key: value for key, value in os.environ.items() if not key.startswith("XLA_PASSES")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     result = subprocess.run([sys.executable, os.path.join(HERE, "collective_hook_worker.py"), str(report_path),
-                             "collective-fusion", small], env=env, capture_output=True, text=True, timeout=300)
+                             large, small], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(report_path.read_text())
     for pipeline, programs in report.items():
         for program, outcome in programs.items():
             assert outcome["same_outputs"], (pipeline, program)
-    large, small = report["collective-fusion"], report[small]
+    large, small = report[large], report[small]
     assert large["mlp_pmap"]["before"]["all-reduce"] == 25
     assert large["mlp_pmap"]["after"]["all-reduce"] == 1
     assert small["mlp_pmap"]["after"]["all-reduce"] == 4

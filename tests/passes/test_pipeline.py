@@ -186,11 +186,14 @@ def test_could_change_reads_the_opcodes_passes_declare():
     def count_of(opcode):
         return counts.get(opcode, 0)
 
-    assert not Pipeline("collective-fusion,call-inliner,tuple-simplifier").could_change(count_of)
+    assert not Pipeline("all-reduce-combiner,call-inliner,tuple-simplifier").could_change(count_of)
+    assert Pipeline("collective-fusion").could_change(count_of)  # its simplifier: one all-reduce is enough
     assert Pipeline("fixed-point(all-reduce-combiner,all-reduce-decomposer)").could_change(count_of)
-    assert Pipeline("collective-fusion,dce").could_change(count_of)  # dce declares none: any module
+    assert Pipeline("all-reduce-combiner,dce").could_change(count_of)  # dce declares none: any module
     counts["all-reduce"] = 2
-    assert Pipeline("collective-fusion").could_change(count_of)
+    assert Pipeline("all-reduce-combiner").could_change(count_of)
+    counts["all-reduce"] = 0
+    assert not Pipeline("collective-fusion").could_change(count_of)
     assert Pipeline([_BreakShape()]).could_change(lambda opcode: 0)  # a pass of a user's, no opcodes
 
 

@@ -25,8 +25,9 @@ layout-preserving too)::
     transpose.1 = f32[2,16] transpose(get-tuple-element), dimensions={1,0}
     get-tuple-element.1 = f32[8] get-tuple-element(all-gather), index=1
 
-Thresholds, tuple inputs, async forms and the computations visited are as in
-`all-reduce-combiner`.
+Thresholds (unset: the platform's), grouping, domains, metadata, tuple inputs, async forms and
+the computations visited are as in `all-reduce-combiner`, but for Shardy `shard_map` bodies,
+which are left alone: XLA of jaxlib 0.10.2 aborts on a tuple-shaped all-gather there.
 """
 from __future__ import annotations
 
@@ -34,9 +35,9 @@ from functools import partial
 
 from hlo_tools import HloModule
 
-from ..collectives import CombinerScope, collective_key, combine_along_most_frequent_dimension, run_combiner
+from ..collectives import (CombinerScope, combine_along_most_frequent_dimension, combiner_thresholds,
+                           run_combiner, tuple_combinable_key)
 from ..core import HloPass, register_pass
-from .all_reduce_combiner import DEFAULT_THRESHOLD_BYTES, DEFAULT_THRESHOLD_COUNT
 
 
 @register_pass
@@ -45,12 +46,11 @@ class AllGatherCombiner(HloPass):
 
     name = "all-gather-combiner"
     opcodes = {"all-gather": 2}
-    threshold_bytes: int = DEFAULT_THRESHOLD_BYTES
-    threshold_count: int = DEFAULT_THRESHOLD_COUNT
+    threshold_bytes: int | None = None
+    threshold_count: int | None = None
     combine_by_dim: bool = True
 
     def run(self, module: HloModule, scope: CombinerScope | None = None) -> bool:
         """`scope`: `combiner_scope(module)`, when the caller (collective-fusion) has it already."""
-        return run_combiner(module, "all-gather", partial(collective_key, by_dimension=self.combine_by_dim),
-                            combine_along_most_frequent_dimension, threshold_bytes=self.threshold_bytes,
-                            threshold_count=self.threshold_count, scope=scope)
+        return run_combiner(module, "all-gather", partial(tuple_combinable_key, by_dimension=self.combine_by_dim),
+                            combine_along_most_frequent_dimension, **combiner_thresholds(self), scope=scope)

@@ -13,26 +13,44 @@ bytes is faster than many small ones::
     ROOT r = (f32[8], f32[4]) tuple(get-tuple-element, get-tuple-element.1)
 
 All-reduces combine when they have the same replica groups, channel-id presence,
-`use_global_device_ids` and reduction computation (structurally equal reducers count as the
-same, so the element types match too) and neither depends on the other. Groups are formed
-in post order up to `threshold_bytes` of results and `threshold_count` operands (XLA's GPU
-defaults). Differences from XLA: already combined (tuple) all-reduces are combined further,
-flattened, and count with all their operands; structurally equal non-trivial reducers
-combine (XLA only combines reducers of one binary op); a computation with `domain`
-instructions is skipped (XLA combines within each domain). Async `all-reduce-start`/`-done`
-pairs and layout-constrained modules are left alone (see `xla_passes.collectives`). Every
-computation but fusion and async-wrapped bodies is visited: entry, while bodies, shard_map
-bodies, called computations.
+`use_global_device_ids`, reduction computation (structurally equal reducers count as the
+same, so the element types match too) and `collective_group_key`, are in one sharding domain,
+have no control dependencies, and neither depends on the other. Groups are formed in post
+order up to `threshold_bytes` of results and `threshold_count` operands; an all-reduce that
+depends on the group is left for a later group. Unset thresholds are the platform's defaults
+(`xla_passes.collectives.PLATFORM_THRESHOLDS`; GPU's offline). The combined op's metadata
+merges the members' `op_name`s and frontend attributes as XLA does.
+
+In a Shardy `shard_map` body (`xla.sdy.manual_computation_body*`, a module before XLA's
+optimizations) XLA refuses a tuple-shaped all-reduce, so there the group becomes one
+all-reduce of a flat buffer (`combine_all_reduces_flat`)::
+
+    a = f32[8,4] all-reduce(x), channel_id=1, replica_groups={{0,1,2,3}}, use_global_device_ids=true, to_apply=add
+    b = f32[4] all-reduce(y), channel_id=1, replica_groups={{0,1,2,3}}, use_global_device_ids=true, to_apply=add
+                                  =>
+    all-reduce.flat = f32[32]{0} reshape(x)
+    all-reduce.concatenate = f32[36]{0} concatenate(all-reduce.flat, y), dimensions={0}
+    all-reduce = f32[36]{0} all-reduce(all-reduce.concatenate), channel_id=1, replica_groups={{0,1,2,3}}, ...
+    all-reduce.slice = f32[32]{0} slice(all-reduce), slice={[0:32]}
+    all-reduce.reshape = f32[8,4] reshape(all-reduce.slice)
+    all-reduce.slice.1 = f32[4]{0} slice(all-reduce), slice={[32:36]}
+
+Differences from XLA: already combined (tuple) all-reduces are combined further, flattened,
+and count with all their operands; structurally equal non-trivial reducers combine (XLA only
+combines reducers of one binary op). Async `all-reduce-start`/`-done` pairs and
+layout-constrained modules are left alone (see `xla_passes.collectives`). Every computation
+but fusion and async-wrapped bodies is visited: entry, while bodies, shard_map bodies, called
+computations.
 """
 from __future__ import annotations
 
-from hlo_tools import HloModule
+from collections.abc import Sequence
 
-from ..collectives import CombinerScope, collective_key, combine_collectives, run_combiner
+from hlo_tools import HloInstruction, HloModule
+
+from ..collectives import (CombinerScope, collective_key, combine_all_reduces_flat, combine_collectives,
+                           combiner_thresholds, in_shardy_body, run_combiner)
 from ..core import HloPass, register_pass
-
-DEFAULT_THRESHOLD_BYTES = 30 * 1024 * 1024
-DEFAULT_THRESHOLD_COUNT = 256
 
 
 @register_pass
@@ -41,10 +59,15 @@ class AllReduceCombiner(HloPass):
 
     name = "all-reduce-combiner"
     opcodes = {"all-reduce": 2}
-    threshold_bytes: int = DEFAULT_THRESHOLD_BYTES
-    threshold_count: int = DEFAULT_THRESHOLD_COUNT
+    threshold_bytes: int | None = None
+    threshold_count: int | None = None
 
     def run(self, module: HloModule, scope: CombinerScope | None = None) -> bool:
         """`scope`: `combiner_scope(module)`, when the caller (collective-fusion) has it already."""
-        return run_combiner(module, "all-reduce", collective_key, combine_collectives,
-                            threshold_bytes=self.threshold_bytes, threshold_count=self.threshold_count, scope=scope)
+        return run_combiner(module, "all-reduce", collective_key, combine_all_reduces,
+                            **combiner_thresholds(self), scope=scope)
+
+
+def combine_all_reduces(members: Sequence[HloInstruction]) -> HloInstruction:
+    """One tuple-shaped all-reduce, or one of a flat buffer where XLA refuses the tuple."""
+    return (combine_all_reduces_flat if in_shardy_body(members[0]) else combine_collectives)(members)

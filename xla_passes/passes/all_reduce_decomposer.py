@@ -45,11 +45,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from hlo_tools import HloInstruction, HloModule, Literal, PaddingConfig, ReplicaGroups, Shape, SliceSpec
+from hlo_tools import HloInstruction, HloModule, Literal, PaddingConfig, ReplicaGroups, Shape
 from hlo_tools.shape import COMPLEX_DTYPES
 from hlo_tools.shape_inference import attr_bool, attr_int
 
-from ..collectives import combinable_computations, result_shapes
+from ..collectives import combinable_computations, flat_buffer, flat_vector, result_shapes, split_flat_buffer
 from ..core import HloPass, register_pass
 from ..replica_groups import DeviceCounts, GroupMode, group_mode, participant_groups, uniform_group_size
 
@@ -158,38 +158,24 @@ def replace_by_shard_reduction(all_reduce: HloInstruction, shard_count: int, sca
                                     attrs={**attrs, **provenance}, literal=literal, before=all_reduce)
 
     dtype = all_reduce.operand(0).shape.dtype
-    pieces = [op if op.shape.rank == 1 else add("reshape", [op], _vector(dtype, op.shape.element_count), role="flat")
-              for op in all_reduce.operands]
-    buffer = pieces[0] if len(pieces) == 1 else add("concatenate", pieces, dimensions=(0,))
+    buffer = flat_buffer(all_reduce.operands, add)
     size = buffer.shape.dims[0]
     padded_size = -(-size // shard_count) * shard_count
     if padded_size != size:
         scalar = Shape.array(dtype, ())
         zero = add("constant", (), scalar, role="zero", literal=Literal.parse(scalar, _ZERO.get(dtype, "0")))
         buffer = add("pad", [buffer, zero], padding=PaddingConfig(((0, padded_size - size, 0),)))
-    shard_shape = _vector(dtype, padded_size // shard_count)
+    shard_shape = flat_vector(dtype, padded_size // shard_count)
     shard = add("reduce-scatter", [buffer], shard_shape, **scatter.attrs("reduce-scatter", channel_ids),
                 to_apply=reducer)
     if middle is not None:
         shard = add("all-reduce", [shard], shard_shape, **middle.attrs("all-reduce", channel_ids), to_apply=reducer)
     gathered = add("all-gather", [shard], buffer.shape, **scatter.attrs("all-gather", channel_ids))
 
-    results, offset = [], 0
-    for shape in result_shapes(all_reduce):
-        count = shape.element_count
-        piece = gathered
-        if count != padded_size:
-            piece = add("slice", [gathered], slice=SliceSpec(((offset, offset + count, 1),)))
-        results.append(piece if shape.rank == 1 else add("reshape", [piece], shape))
-        offset += count
-
+    results = split_flat_buffer(gathered, result_shapes(all_reduce), add)
     replacement = add("tuple", results) if all_reduce.shape.is_tuple else results[0]
     if "sharding" in all_reduce.attrs:
         replacement.attrs["sharding"] = all_reduce.attrs["sharding"]
     all_reduce.replace_all_uses_with(replacement)
     comp.remove_instruction(all_reduce)
     return replacement
-
-
-def _vector(dtype: str, size: int) -> Shape:
-    return Shape.array(dtype, (size,), layout=(0,))

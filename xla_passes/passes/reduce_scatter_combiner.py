@@ -13,8 +13,10 @@ Reduce-scatters combine when they have the same replica groups, channel-id prese
 `use_global_device_ids` and reduction computation (structurally), and neither depends on
 the other. `combine_by_dim` is as in `all-gather-combiner` (operands of other dimensions are
 transposed to the shared one and back). Thresholds count result bytes (the scattered
-shards), as XLA's do; tuple inputs, async forms and the computations visited are as in
-`all-reduce-combiner`. XLA copies the first member's sharding onto the combined op; here it
+shards), as XLA's do; unset, they are the platform's. Grouping, domains, metadata, tuple
+inputs, async forms and the computations visited are as in `all-reduce-combiner`, but for
+Shardy `shard_map` bodies, which are left alone: StableHLO's reduce-scatter takes one operand,
+so XLA refuses a tuple-shaped one there. XLA copies the first member's sharding onto the combined op; here it
 gets the tuple of every member's sharding, as the other two combiners do.
 """
 from __future__ import annotations
@@ -23,9 +25,9 @@ from functools import partial
 
 from hlo_tools import HloModule
 
-from ..collectives import CombinerScope, collective_key, combine_along_most_frequent_dimension, run_combiner
+from ..collectives import (CombinerScope, combine_along_most_frequent_dimension, combiner_thresholds,
+                           run_combiner, tuple_combinable_key)
 from ..core import HloPass, register_pass
-from .all_reduce_combiner import DEFAULT_THRESHOLD_BYTES, DEFAULT_THRESHOLD_COUNT
 
 
 @register_pass
@@ -34,12 +36,11 @@ class ReduceScatterCombiner(HloPass):
 
     name = "reduce-scatter-combiner"
     opcodes = {"reduce-scatter": 2}
-    threshold_bytes: int = DEFAULT_THRESHOLD_BYTES
-    threshold_count: int = DEFAULT_THRESHOLD_COUNT
+    threshold_bytes: int | None = None
+    threshold_count: int | None = None
     combine_by_dim: bool = True
 
     def run(self, module: HloModule, scope: CombinerScope | None = None) -> bool:
         """`scope`: `combiner_scope(module)`, when the caller (collective-fusion) has it already."""
-        return run_combiner(module, "reduce-scatter", partial(collective_key, by_dimension=self.combine_by_dim),
-                            combine_along_most_frequent_dimension, threshold_bytes=self.threshold_bytes,
-                            threshold_count=self.threshold_count, scope=scope)
+        return run_combiner(module, "reduce-scatter", partial(tuple_combinable_key, by_dimension=self.combine_by_dim),
+                            combine_along_most_frequent_dimension, **combiner_thresholds(self), scope=scope)
