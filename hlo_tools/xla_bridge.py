@@ -117,6 +117,7 @@ def same_meaning(text_a: str, text_b: str) -> bool:
 #     are switched off through DebugOptions.xla_disable_hlo_passes; XLA then
 #     compiles the module as written, once per partition.
 
+import itertools as _itertools
 import threading as _threading
 
 import numpy as _np
@@ -433,7 +434,7 @@ _swap_lock = _threading.Lock()
 
 def _stand_in_text(program_shape) -> str:
     """HLO text of a module that takes `program_shape`'s parameters and returns zeros of its result."""
-    lines, counter = [], iter(range(1 << 30))
+    lines, counter = [], _itertools.count()
 
     def value(shape) -> str:
         name = f"v{next(counter)}"

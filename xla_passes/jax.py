@@ -313,9 +313,8 @@ def _check(original: bytes, rewritten: bytes, module, pipeline: Pipeline, settin
     if counts is None:
         raise PassError(f"{CHECK_VARIABLE}: cannot tell how many devices the module runs on, so it cannot be "
                         f"checked")
-    assume_all = any(getattr(p, "assume_replicated_parameters", False) for p in pipeline.all_passes())
     replicated = validation.replicated_parameters(hlo_tools.parse_module(xla_bridge.proto_to_text(original),
-                                                                         lazy_bodies=True), assume_all)
+                                                                         lazy_bodies=True), pipeline.all_passes())
 
     def check(candidate: bytes) -> validation.Verdict:
         return validation.check_rewrite(original, candidate, counts=counts, replicated=replicated,

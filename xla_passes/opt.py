@@ -127,10 +127,10 @@ def optimize(text: str, passes: str, *, path: str, split: bool = False, verify: 
     return f"\n{SPLIT_MARKER}\n".join(out.rstrip("\n") + "\n" for out in outputs) if split else outputs[0]
 
 
-def check_inputs(text: str, original: str, assume_all: bool = False) -> list[np.ndarray]:
+def check_inputs(text: str, original: str, passes=()) -> list[np.ndarray]:
     """Random global inputs for the module `text` as `--check` feeds it: in a replica program
-    the parameters `original` declares replicated (all, with `assume_all`) get the same slice on
-    every replica, since a pass may rely on that.
+    the parameters `original` declares replicated (all, when one of `passes` assumes so) get the
+    same slice on every replica, since a pass may rely on that.
 
     Raises:
       runner.RunError: XLA cannot load `text`.
@@ -140,7 +140,7 @@ def check_inputs(text: str, original: str, assume_all: bool = False) -> list[np.
     loaded = runner.load_module(text, "check")
     inputs = runner.random_inputs(loaded.global_signature())
     if loaded.mode == "replica":  # slice i goes to replica i: replicated parameters get equal slices
-        for number in validation.replicated_parameters(hlo_tools.parse_module(original), assume_all):
+        for number in validation.replicated_parameters(hlo_tools.parse_module(original), passes):
             inputs[number] = np.broadcast_to(inputs[number][:1], inputs[number].shape).copy()
     return inputs
 
@@ -151,9 +151,8 @@ def _check(original: str, module: hlo_tools.HloModule, pipeline: Pipeline) -> No
     from hlo_tools import runner  # noqa: PLC0415 - compiles with XLA
 
     rewritten = module.to_text()
-    assume_all = any(getattr(p, "assume_replicated_parameters", False) for p in pipeline.all_passes())
     try:
-        inputs = check_inputs(rewritten, original, assume_all)
+        inputs = check_inputs(rewritten, original, pipeline.all_passes())
         outcome = runner.compare_modules(rewritten, original, inputs, isolate=True,
                                          abs_error_bound=validation.ABS_ERROR_BOUND,
                                          rel_error_bound=validation.REL_ERROR_BOUND)

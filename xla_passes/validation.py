@@ -50,8 +50,10 @@ class Verdict:
     checked: bool = True   # False: the check could not run (detail says why)
 
 
-def replicated_parameters(module: HloModule, assume_all: bool = False) -> list[int]:
-    """The entry parameters every device must hold the same value of."""
+def replicated_parameters(module: HloModule, passes) -> list[int]:
+    """The entry parameters every device must hold the same value of, for `module` before the
+    pipeline items `passes` ran: all of them when a pass was told to assume so."""
+    assume_all = any(getattr(p, "assume_replicated_parameters", False) for p in passes)
     replicated = []
     for parameter in module.entry.parameters:
         sharding = parameter.attrs.get("sharding")
