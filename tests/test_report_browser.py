@@ -105,24 +105,28 @@ def collective_fusion_dump(tmp_path_factory):
     return dump
 
 
-def _combined_and_replaced(dump) -> tuple[list[str], list[str]]:
-    """Names of the all-reduces collective-fusion made (tuple-shaped) and of those it removed."""
-    def all_reduces(path) -> dict[str, hlo_tools.HloInstruction]:
-        module = hlo_tools.parse_module(path.read_text())
-        return {i.name: i for i in module.entry.instructions if i.opcode == "all-reduce"}
+def _combined_replaced_simplified(dump) -> tuple[list[str], list[str], list[str]]:
+    """Names of the all-reduces collective-fusion made (tuple-shaped), of those it removed, and of
+    those its all-reduce-simplifier turned into another op under the same name (a psum of a
+    replicated value becomes a multiply)."""
+    def entry(path) -> dict[str, hlo_tools.HloInstruction]:
+        return {i.name: i for i in hlo_tools.parse_module(path.read_text()).entry.instructions}
 
     (before_path,) = dump.glob("module_*.jit_step.before_xla_passes.txt")
     (after_path,) = dump.glob("module_*.jit_step.0001.after_collective-fusion.txt")
-    before, after = all_reduces(before_path), all_reduces(after_path)
-    combined = [name for name, instr in after.items() if instr.shape.is_tuple and name not in before]
-    replaced = [name for name in before if name not in after]
-    assert combined and replaced, (sorted(before), sorted(after))
-    return combined, replaced
+    before, after = entry(before_path), entry(after_path)
+    before_all_reduces = [name for name, instr in before.items() if instr.opcode == "all-reduce"]
+    combined = [name for name, instr in after.items()
+                if instr.opcode == "all-reduce" and instr.shape.is_tuple and name not in before]
+    replaced = [name for name in before_all_reduces if name not in after]
+    simplified = [name for name in before_all_reduces if name in after and after[name].opcode != "all-reduce"]
+    assert combined and replaced and simplified, (sorted(before), sorted(after))
+    return combined, replaced, simplified
 
 
 def test_report_renders_in_chromium_with_graphs_and_no_console_errors(browser, collective_fusion_dump,
                                                                       tmp_path, capsys):
-    combined, replaced = _combined_and_replaced(collective_fusion_dump)
+    combined, replaced, simplified = _combined_replaced_simplified(collective_fusion_dump)
     page = tmp_path / "report.html"
     assert cli.main(["report", str(collective_fusion_dump), "-o", str(page)]) == 0
     assert "1 module, 3 steps" in capsys.readouterr().out
@@ -158,6 +162,9 @@ def test_report_renders_in_chromium_with_graphs_and_no_console_errors(browser, c
         assert set(after[name].split()) >= {"node", "collective", "added"}, after.get(name)
     for name in replaced:  # the all-reduces they replace, on the before side, marked removed
         assert set(before[name].split()) >= {"node", "collective", "removed"}, before.get(name)
+    for name in simplified:  # the same name on both sides, a collective only before: marked changed
+        assert set(before[name].split()) >= {"node", "collective", "changed"}, before.get(name)
+        assert "changed" in after[name].split() and "collective" not in after[name].split(), after.get(name)
 
     # What the reader sees: scroll the combined all-reduce into view and take a screenshot.
     node = browser.find_element("css selector", f'.side.after g.node[data-name="{combined[0]}"]')
