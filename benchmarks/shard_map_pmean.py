@@ -3,7 +3,7 @@
 The step of `xla_passes.training.build_flax_training` with `check_vma=True` and one `lax.pmean`
 per gradient: JAX's transpose of shard_map all-reduces each gradient of a replicated parameter
 (`psum_invariant`), the `pmean` all-reduces it again, and each second all-reduce reads its first,
-so XLA's combiner (on, at XLA's defaults) cannot merge them. Two configurations, both at XLA's
+so XLA's combiner (on, at XLA's defaults) cannot merge them. Four configurations, all at XLA's
 defaults:
 
   a. no passes;

@@ -2,7 +2,7 @@
 
 The program: an SGD step of a conv net (four 3x3 stride-1 convolutions with ReLU, global
 average pooling, a dense head, mean squared error) on `--batch` images of
-`--size`x`--size`x`--channels`. It is partitioned over 4 devices along H three ways:
+`--size`x`--size`x3 (`--channels` sets the convolutions' channels). It is partitioned over 4 devices along H three ways:
 
 * `jax`: `jax.jit` with the image sharded on H (`NamedSharding(mesh, P(None, "h"))`) and
   everything else replicated; JAX's partitioner (Shardy, the default) splits the program;
