@@ -16,10 +16,15 @@ of neighbours (operands and users), else the neighbourhood of the ROOT, taken
 nearest first.  The note "N more not shown" counts the rest, and every node
 whose neighbours were left out says how many ("+3").
 
-The layout is a layered DAG drawing (no graphviz): longest-path layering from
-the operands down, then barycenter ordering within each layer, a few sweeps
-down and up; a layer wider than 10 nodes wraps onto more rows.  Everything is linear in the size of the computation except the
-ordering, which only sees the nodes kept.
+Two layouts place the nodes (``layout=``): Graphviz's ``dot`` when it is
+installed (``auto``, the default, or ``dot``), which orders layers to cross
+few edges and routes edges as splines; we read its positions (``-Tplain``) and
+draw the SVG ourselves, so both layouts look alike and carry the same classes.
+Without Graphviz (or with ``builtin``) a layered drawing in Python: longest-path
+layering from the operands down, then barycenter ordering within each layer, a
+few sweeps down and up; a layer wider than 10 nodes wraps onto more rows.
+Either way only the kept nodes are laid out, so the cost is bounded by
+``max_nodes`` whatever the size of the computation.
 """
 
 from __future__ import annotations
@@ -27,17 +32,21 @@ from __future__ import annotations
 import collections
 import dataclasses
 import html
+import shutil
+import subprocess
 from collections.abc import Iterable, Mapping
 
 from .diff import instruction_text
 from .ir import HloComputation, HloInstruction
 from .stats import COLLECTIVE_KINDS, collective_kind
 
-__all__ = ["Graph", "GraphNode", "computation_graph", "render_svg", "is_collective", "DEFAULT_MAX_NODES",
-           "STATUSES"]
+__all__ = ["Graph", "GraphNode", "LayoutError", "computation_graph", "render_svg", "resolve_layout", "node_id",
+           "is_collective", "DEFAULT_MAX_NODES", "STATUSES", "LAYOUTS"]
 
 DEFAULT_MAX_NODES = 150
 STATUSES = ("added", "removed", "changed")
+LAYOUTS = ("auto", "dot", "builtin")  # auto: dot when Graphviz is installed, else builtin
+_DOT_TIMEOUT_SECONDS = 60
 
 # Drawing constants (pixels). Text widths are estimated from the character count.
 _NODE_HEIGHT = 34
@@ -62,6 +71,10 @@ _LEGEND = (("collective", _FILL["collective"], _PLAIN_STROKE, ""),
            ("added", "#ffffff", _STATUS_STROKE["added"], ""),
            ("removed", "#ffffff", _STATUS_STROKE["removed"], ""),
            ("changed", "#ffffff", _STATUS_STROKE["changed"], ""))
+
+
+class LayoutError(Exception):
+    """Graphviz's dot was asked for but is not installed, or it failed on a graph."""
 
 
 @dataclasses.dataclass
@@ -176,6 +189,27 @@ def computation_graph(comp: HloComputation, *, focus: Iterable[str] | None = Non
 # --- layout ----------------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass
+class _Placement:
+    """Where a layout put things, in pixels from the top left of the drawing area."""
+
+    centre: dict[str, tuple[float, float]]
+    edges: list[list[tuple[float, float]]]  # per edge of the graph: a cubic Bezier path's points, 1 + 3k of them
+    width: float
+    height: float
+
+
+def resolve_layout(layout: str) -> str:
+    """``dot`` or ``builtin``: what ``layout`` means on this machine (``auto``: dot when installed)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
+    if layout == "auto":
+        return "dot" if shutil.which("dot") else "builtin"
+    if layout == "dot" and not shutil.which("dot"):
+        raise LayoutError("Graphviz's dot is not installed (apt-get install graphviz)")
+    return layout
+
+
 def _layers(graph: Graph) -> list[list[str]]:
     """Longest-path layering (a node sits one layer below its deepest operand), then
     barycenter ordering within the layers."""
@@ -245,6 +279,100 @@ def _place_rows(rows: list[list[str]], widths: dict[str, float],
     return left
 
 
+def _s_curve(source: tuple[float, float], target: tuple[float, float]) -> list[tuple[float, float]]:
+    """A vertical S-curve from the bottom of the node centred at ``source`` to the top of ``target``'s."""
+    (x1, y1), (x2, y2) = source, target
+    y1 += _NODE_HEIGHT / 2
+    y2 -= _NODE_HEIGHT / 2
+    bend = (y2 - y1) / 2
+    return [(x1, y1), (x1, y1 + bend), (x2, y2 - bend), (x2, y2)]
+
+
+def _builtin_layout(graph: Graph, widths: dict[str, float]) -> _Placement:
+    """The layered drawing in Python: wrapped layers as rows, edges as S-curves from the
+    bottom of the operand to the top of the user."""
+    rows = [layer[i:i + _ROW_NODES] for layer in _layers(graph) for i in range(0, len(layer), _ROW_NODES)]
+    left = _place_rows(rows, widths, graph.edges)
+    shift = -min(left.values(), default=0)
+    centre = {name: (left[name] + shift + widths[name] / 2, depth * (_NODE_HEIGHT + _LAYER_GAP) + _NODE_HEIGHT / 2)
+              for depth, row in enumerate(rows) for name in row}
+    edges = [_s_curve(centre[src], centre[dst]) for src, dst in graph.edges]
+    width = max((left[name] + shift + widths[name] for name in left), default=0)
+    return _Placement(centre, edges, width, max(len(rows) * (_NODE_HEIGHT + _LAYER_GAP) - _LAYER_GAP, 0))
+
+
+def _wide_fans(graph: Graph) -> list[tuple[bool, list[tuple[str, str]]]]:
+    """(leaves above the hub?, edges) of each node with more than a row of leaf operands (or
+    leaf users): wide fans that dot would lay out on one endless rank."""
+    degree = collections.Counter(name for edge in graph.edges for name in edge)
+    fans = []
+    for leaf_end in (0, 1):  # leaf operands of a user, then leaf users of an operand
+        by_hub = collections.defaultdict(list)
+        for edge in graph.edges:
+            if degree[edge[leaf_end]] == 1:
+                by_hub[edge[1 - leaf_end]].append(edge)
+        fans += [(leaf_end == 0, edges) for edges in by_hub.values() if len(edges) > _ROW_NODES]
+    return fans
+
+
+def _dot_source(graph: Graph, widths: dict[str, float]) -> str:
+    """The graph for dot.
+
+    Boxes have our sizes, edges no arrowheads (they end on the node, where our marker goes).
+    A wide fan wraps onto rows of 10 leaves: invisible edges stack each leaf on the one a row
+    nearer the hub, and only the nearest row's edges go to dot (the others would each add a
+    dummy node to every rank they cross, making the rows as wide as the fan)."""
+    index = {node.name: f"n{i}" for i, node in enumerate(graph.nodes)}
+    stacked: list[tuple[str, str]] = []
+    left_out: set[tuple[str, str]] = set()
+    for above, fan in _wide_fans(graph):
+        if not above:  # leaf users: the row nearest the hub is the first
+            fan = fan[::-1]
+        leaves = [src if above else dst for src, dst in fan]
+        for k in range(len(fan) - _ROW_NODES):
+            left_out.add(fan[k])
+            stacked.append((leaves[k], leaves[k + _ROW_NODES]) if above else (leaves[k + _ROW_NODES], leaves[k]))
+    lines = ["digraph hlo {",
+             f"graph [rankdir=TB, nodesep={_NODE_GAP / 72:.3f}, ranksep={_LAYER_GAP / 72:.3f}];",
+             f'node [shape=box, fixedsize=true, label="", height={_NODE_HEIGHT / 72:.4f}];',
+             "edge [arrowhead=none];"]
+    lines += [f"{index[node.name]} [width={widths[node.name] / 72:.4f}];" for node in graph.nodes]
+    lines += [f"{index[src]} -> {index[dst]};" for src, dst in graph.edges if (src, dst) not in left_out]
+    lines += [f"{index[src]} -> {index[dst]} [style=invis];" for src, dst in stacked]
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def _dot_layout(graph: Graph, widths: dict[str, float]) -> _Placement:
+    """Positions and edge splines from ``dot -Tplain`` (inches, y up), in our pixels (y down)."""
+    try:
+        result = subprocess.run(["dot", "-Tplain"], input=_dot_source(graph, widths), capture_output=True,
+                                text=True, timeout=_DOT_TIMEOUT_SECONDS, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise LayoutError(f"dot failed on {graph.title}: {exc}") from exc
+    if result.returncode != 0:
+        first = (result.stderr.strip().splitlines() or ["no message"])[0]
+        raise LayoutError(f"dot failed on {graph.title} (exit status {result.returncode}): {first}")
+    names = [node.name for node in graph.nodes]
+    centre: dict[str, tuple[float, float]] = {}
+    splines: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    width = height = 0.0
+    for line in result.stdout.splitlines():
+        fields = line.split()
+        if fields[0] == "graph":
+            width, height = float(fields[2]) * 72, float(fields[3]) * 72
+        elif fields[0] == "node":
+            centre[names[int(fields[1][1:])]] = (float(fields[2]) * 72, height - float(fields[3]) * 72)
+        elif fields[0] == "edge":
+            count = int(fields[3])
+            coords = [float(v) * 72 for v in fields[4:4 + 2 * count]]
+            splines[(names[int(fields[1][1:])], names[int(fields[2][1:])])] = [
+                (x, height - y) for x, y in zip(coords[::2], coords[1::2])]
+    # The edges of wide fans that dot did not see: S-curves, as in the builtin layout.
+    return _Placement(centre, [splines.get(edge) or _s_curve(centre[edge[0]], centre[edge[1]])
+                               for edge in graph.edges], width, height)
+
+
 # --- SVG -------------------------------------------------------------------------------------------
 
 
@@ -252,22 +380,23 @@ def _esc(text: str) -> str:
     return html.escape(str(text), quote=True)
 
 
-def render_svg(graph: Graph, id_prefix: str = "hlo") -> str:
+def node_id(id_prefix: str, index: int) -> str:
+    """The element id of the ``index``-th node of a graph rendered with ``id_prefix``, for links to it."""
+    return f"{id_prefix}-node-{index}"
+
+
+def render_svg(graph: Graph, id_prefix: str = "hlo", layout: str = "auto") -> str:
     """The graph as a standalone SVG document (also valid inline in HTML).
 
-    ``id_prefix`` keeps element ids unique when several graphs share a page.
+    ``id_prefix`` keeps element ids unique when several graphs share a page; ``layout``
+    is one of :data:`LAYOUTS` (``LayoutError`` when ``dot`` is asked for and missing).
     """
-    rows = [layer[i:i + _ROW_NODES] for layer in _layers(graph) for i in range(0, len(layer), _ROW_NODES)]
     widths = {node.name: _node_width(node) for node in graph.nodes}
-    left = _place_rows(rows, widths, graph.edges)
-    top = _MARGIN + _LEGEND_HEIGHT + 18
-    shift = _MARGIN - min(left.values(), default=0)
-    centre = {name: (left[name] + shift + widths[name] / 2,
-                     top + depth * (_NODE_HEIGHT + _LAYER_GAP) + _NODE_HEIGHT / 2)
-              for depth, row in enumerate(rows) for name in row}
-    right = max((left[name] + shift + widths[name] for name in left), default=0)
-    width = round(max(right + _MARGIN, _LEGEND_WIDTH))
-    height = round(top + max(len(rows), 1) * (_NODE_HEIGHT + _LAYER_GAP) - _LAYER_GAP + _MARGIN)
+    place = _dot_layout if resolve_layout(layout) == "dot" else _builtin_layout
+    placement = place(graph, widths)
+    left, top = _MARGIN, _MARGIN + _LEGEND_HEIGHT + 18
+    width = round(max(placement.width + 2 * _MARGIN, _LEGEND_WIDTH))
+    height = round(top + placement.height + _MARGIN)
     marker = f"{id_prefix}-arrow"
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="hlo-graph" width="{width}" height="{height}" '
            f'viewBox="0 0 {width} {height}" font-family="monospace" font-size="11">',
@@ -276,17 +405,15 @@ def render_svg(graph: Graph, id_prefix: str = "hlo") -> str:
            f'markerHeight="7" orient="auto"><path d="M0,0 L8,4 L0,8 z" fill="{_PLAIN_STROKE}"/></marker></defs>']
     out.extend(_legend(graph))
     out.append('<g class="edges" fill="none" stroke="#adb5bd" stroke-width="1.2">')
-    for src, dst in graph.edges:
-        (x1, y1), (x2, y2) = centre[src], centre[dst]
-        y1 += _NODE_HEIGHT / 2
-        y2 -= _NODE_HEIGHT / 2
-        bend = (y2 - y1) / 2
-        out.append(f'<path d="M{x1:.1f},{y1:.1f} C{x1:.1f},{y1 + bend:.1f} {x2:.1f},{y2 - bend:.1f} '
-                   f'{x2:.1f},{y2:.1f}" marker-end="url(#{_esc(marker)})"/>')
+    for points in placement.edges:
+        (x0, y0), *rest = [(x + left, y + top) for x, y in points]
+        curves = " ".join(f"C{' '.join(f'{x:.1f},{y:.1f}' for x, y in rest[i:i + 3])}" for i in range(0, len(rest), 3))
+        out.append(f'<path d="M{x0:.1f},{y0:.1f} {curves}" marker-end="url(#{_esc(marker)})"/>')
     out.append("</g>")
     out.append('<g class="nodes">')
-    for node in graph.nodes:
-        out.append(_node_svg(node, centre[node.name], widths[node.name]))
+    for index, node in enumerate(graph.nodes):
+        x, y = placement.centre[node.name]
+        out.append(_node_svg(node, (x + left, y + top), widths[node.name], node_id(id_prefix, index)))
     out.append("</g></svg>")
     return "\n".join(out) + "\n"
 
@@ -302,15 +429,15 @@ def _legend(graph: Graph) -> list[str]:
                    f'<text x="{x + 18}" y="{y + 10}">{label}</text>')
         x += 26 + len(label) * 6.2
     out.append("</g>")
-    note = f"{graph.title}: {len(graph.nodes)} instructions shown"
+    note = f"{graph.title}: {len(graph.nodes):,} instructions shown"
     if graph.hidden:
-        note += f", {graph.hidden} more not shown"
+        note += f", {graph.hidden:,} more not shown"
     out.append(f'<text class="note" x="{_MARGIN}" y="{_MARGIN + _LEGEND_HEIGHT + 4}" font-size="11" '
                f'fill="#495057">{_esc(note)}</text>')
     return out
 
 
-def _node_svg(node: GraphNode, centre: tuple[float, float], width: float) -> str:
+def _node_svg(node: GraphNode, centre: tuple[float, float], width: float, element_id: str) -> str:
     cx, cy = centre
     x, y = cx - width / 2, cy - _NODE_HEIGHT / 2
     classes = ["node", node.kind]
@@ -325,7 +452,8 @@ def _node_svg(node: GraphNode, centre: tuple[float, float], width: float) -> str
         stroke, stroke_width = _STATUS_STROKE[node.status], 3
     tooltip = node.tooltip if not node.hidden_neighbours else (
         f"{node.tooltip}\n({node.hidden_neighbours} neighbours not shown)")
-    parts = [f'<g class="{" ".join(classes)}" data-name="{_esc(node.name)}" data-opcode="{_esc(node.opcode)}">',
+    parts = [f'<g class="{" ".join(classes)}" data-name="{_esc(node.name)}" data-opcode="{_esc(node.opcode)}" '
+             f'id="{_esc(element_id)}">',
              f"<title>{_esc(tooltip)}</title>",
              f'<rect x="{x:.1f}" y="{y:.1f}" width="{width}" height="{_NODE_HEIGHT}" rx="4" '
              f'fill="{_FILL[node.kind]}" stroke="{stroke}" stroke-width="{stroke_width}"{dash}/>',

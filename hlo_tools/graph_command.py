@@ -29,15 +29,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="steps of operands and users around --focus (default: 2)")
     p.add_argument("--max-nodes", type=int, default=graph.DEFAULT_MAX_NODES, metavar="N",
                    help=f"draw at most N instructions (default: {graph.DEFAULT_MAX_NODES})")
+    add_layout_option(p)
     p.set_defaults(func=run_graph)
 
 
+def add_layout_option(parser: argparse.ArgumentParser) -> None:
+    """``--layout`` (shared with `report`)."""
+    parser.add_argument("--layout", choices=graph.LAYOUTS, default="auto",
+                        help="who places the nodes: Graphviz's dot, our builtin layered layout, or auto "
+                             "(dot when it is installed; default)")
+
+
 def check_drawing_options(args: argparse.Namespace) -> None:
-    """Refuse --max-nodes below 1 and negative --hops (shared with `report`)."""
+    """Refuse --max-nodes below 1, negative --hops and --layout dot without dot (shared with `report`),
+    before any work."""
     if args.max_nodes < 1:
         raise cli.CommandError(f"--max-nodes must be at least 1, not {args.max_nodes}")
     if args.hops < 0:
         raise cli.CommandError(f"--hops must be 0 or more, not {args.hops}")
+    try:
+        graph.resolve_layout(args.layout)
+    except graph.LayoutError as exc:
+        raise cli.CommandError(f"--layout {args.layout}: {exc}") from exc
 
 
 def run_graph(args: argparse.Namespace) -> int:
@@ -58,5 +71,9 @@ def run_graph(args: argparse.Namespace) -> int:
             raise cli.CommandError(f"no instruction named {name!r} in computation {comp.name}", args.input)
     drawn = graph.computation_graph(comp, focus=args.focus, hops=args.hops, max_nodes=args.max_nodes,
                                     title=f"{module.name}: computation {comp.name}")
-    cli.write_output(graph.render_svg(drawn), args.output, args.input)
+    try:
+        svg = graph.render_svg(drawn, layout=args.layout)
+    except graph.LayoutError as exc:
+        raise cli.CommandError(str(exc), args.input) from exc
+    cli.write_output(svg, args.output, args.input)
     return 0

@@ -25,6 +25,13 @@ text, and the report lines.  Each module also gets IR statistics
 (:func:`hlo_tools.stats.module_stats`) of its first and last step; nothing is
 compiled, so any dump, however large, reports quickly.
 
+The page lists the modules that some step changed (or that have an unreadable
+file) first; the others are folded into one line at the end.  ``module_pattern``
+keeps only the modules whose name or a file name matches it.  Each graph opens
+scrolled to what changed (a small inline script, allowed by its hash in the
+page's Content-Security-Policy), and each changing step has a side panel of its
+changed instructions with links to their nodes and to their lines in the diff.
+
 A file that does not parse becomes a warning on the page and the timeline
 skips it; a directory where nothing parses is a :class:`ReportError`.
 Durations are not recorded in dumps; the timeline shows the time between a
@@ -34,9 +41,12 @@ what the pass took from above.
 
 from __future__ import annotations
 
+import base64
+import bisect
 import collections
 import dataclasses
 import difflib
+import hashlib
 import html
 import os
 import re
@@ -49,14 +59,16 @@ from .ir import HloModule
 from .parser import parse_module
 from .stats import ModuleStats, module_stats
 
-__all__ = ["ReportError", "DumpFile", "ModuleTimeline", "Step", "GraphPair", "Snapshot", "Report", "classify",
-           "scan_dump", "build_report", "render_html", "plural"]
+__all__ = ["ReportError", "DumpFile", "ModuleTimeline", "Step", "GraphPair", "Change", "Snapshot", "Report",
+           "classify", "scan_dump", "select_modules", "build_report", "render_html", "unified_diff", "plural"]
 
 DEFAULT_HOPS = 1
 DEFAULT_MAX_NODES = 60          # per graph; a pass gets a before and an after graph per computation
 MAX_GRAPHED_COMPUTATIONS = 3    # per pass: the entry first, then the most changed
 MAX_DIFF_LINES = 400            # per text diff; the rest is counted
 MAX_NOTES_IN_TIMELINE = 3
+MAX_LISTED_CHANGES = 40         # per computation in a step's side panel; the rest is counted
+MAX_FOLDED_NAMES = 12           # module names in the line that folds the unchanged modules
 
 XLA_PASSES, XLA = "xla_passes", "xla"
 
@@ -158,14 +170,30 @@ class Snapshot:
 
 
 @dataclasses.dataclass
+class Change:
+    """One instruction a diff marks, by its name on each side (None where it is not there)."""
+
+    status: str               # added, removed or changed
+    before: str | None
+    after: str | None
+
+    @property
+    def name(self) -> str:
+        return self.after or self.before
+
+
+@dataclasses.dataclass
 class GraphPair:
-    """Before and after SVGs of one computation a pass changed."""
+    """Before and after SVGs of one computation a pass changed, and what changed in it."""
 
     title: str
     before_svg: str | None
     after_svg: str | None
-    before_nodes: list[str]
+    before_nodes: list[str]   # in drawing order: the i-th is graph.node_id(before_id, i)
     after_nodes: list[str]
+    before_id: str            # the id prefix of each side's SVG
+    after_id: str
+    changes: list[Change]
 
 
 @dataclasses.dataclass
@@ -207,6 +235,14 @@ class ModuleTimeline:
     def title(self) -> str:
         return f"module_{self.number:04d} {self.name} ({self.source})"
 
+    @property
+    def changed(self) -> bool:
+        return any(step.changed for step in self.steps)
+
+    @property
+    def unreadable(self) -> bool:
+        return any(step.snapshot.error for step in self.steps)
+
 
 @dataclasses.dataclass
 class Report:
@@ -214,6 +250,8 @@ class Report:
     modules: list[ModuleTimeline]
     warnings: list[str]
     ignored_files: int
+    module_pattern: str | None = None
+    unselected_modules: int = 0  # modules of the dump that module_pattern left out
 
 
 def _read(file: DumpFile) -> Snapshot:
@@ -246,29 +284,53 @@ def _module_body(text: str) -> str:
     return text[_REPORT_LINES.match(text).end():]
 
 
-def build_report(directory: str, *, hops: int = DEFAULT_HOPS, max_nodes: int = DEFAULT_MAX_NODES) -> Report:
-    """Read every HLO dump in ``directory`` and compare each step with the one before."""
+def select_modules(groups: dict[tuple[int, str, str], list[DumpFile]],
+                   pattern: str) -> dict[tuple[int, str, str], list[DumpFile]]:
+    """The modules whose name, or the name of one of whose files, ``pattern`` (a regular
+    expression) finds; a ReportError when it is not one or finds none, so that a typo never
+    gives an empty page."""
+    try:
+        regex = re.compile(pattern)
+    except re.error as exc:
+        raise ReportError(f"--module {pattern!r}: not a regular expression ({exc})") from None
+    chosen = {key: files for key, files in groups.items()
+              if regex.search(key[1]) or any(regex.search(os.path.basename(f.path)) for f in files)}
+    if not chosen:
+        names = list(dict.fromkeys(name for _, name, _ in groups))
+        shown = ", ".join(names[:MAX_FOLDED_NAMES]) + (", ..." if len(names) > MAX_FOLDED_NAMES else "")
+        raise ReportError(f"--module {pattern!r} matches none of the {plural(len(groups), 'module')} "
+                          f"(by name or file name): {shown}")
+    return chosen
+
+
+def build_report(directory: str, *, hops: int = DEFAULT_HOPS, max_nodes: int = DEFAULT_MAX_NODES,
+                 layout: str = "auto", module_pattern: str | None = None) -> Report:
+    """Read the HLO dumps in ``directory`` (of the modules ``module_pattern`` selects, or all)
+    and compare each step with the one before; ``layout`` is :data:`hlo_tools.graph.LAYOUTS`'s."""
     groups = scan_dump(directory)
     if not groups:
         raise ReportError(f"{directory}: no HLO dumps (module_NNNN.<name>.before_optimizations.txt, "
                           f"..._after_optimizations.txt, before_xla_passes.txt or per-pass files)")
+    dump_files = sum(len(files) for files in groups.values())
+    selected = groups if module_pattern is None else select_modules(groups, module_pattern)
+    layout = graph.resolve_layout(layout)  # LayoutError now, not after reading the dump
     warnings: list[str] = []
     modules = []
     parsed_any = False
-    for (number, name, source), files in groups.items():
-        timeline = _timeline(number, name, source, files, hops, max_nodes)
+    for (number, name, source), files in selected.items():
+        timeline = _timeline(number, name, source, files, hops, max_nodes, layout)
         warnings += [step.snapshot.error for step in timeline.steps if step.snapshot.error]
         parsed_any |= timeline.last_stats is not None
         modules.append(timeline)
     if not parsed_any:
-        raise ReportError(f"{directory}: none of the {sum(map(len, groups.values()))} HLO dumps could be read "
+        raise ReportError(f"{directory}: none of the {sum(map(len, selected.values()))} HLO dumps could be read "
                           f"(first: {warnings[0]})")
-    dump_files = sum(len(files) for files in groups.values())
-    return Report(directory, modules, warnings, ignored_files=len(os.listdir(directory)) - dump_files)
+    return Report(directory, modules, warnings, ignored_files=len(os.listdir(directory)) - dump_files,
+                  module_pattern=module_pattern, unselected_modules=len(groups) - len(selected))
 
 
 def _timeline(number: int, name: str, source: str, files: list[DumpFile], hops: int,
-              max_nodes: int) -> ModuleTimeline:
+              max_nodes: int, layout: str) -> ModuleTimeline:
     steps: list[Step] = []
     previous: Snapshot | None = None  # the last step that parsed
     first_stats = last_stats = overview = None
@@ -280,7 +342,7 @@ def _timeline(number: int, name: str, source: str, files: list[DumpFile], hops: 
                 first_stats = module_stats(snapshot.module)
             else:
                 if _module_body(previous.text) != _module_body(snapshot.text):
-                    _compare(step, hops, max_nodes)
+                    _compare(step, hops, max_nodes, layout)
                 previous.release()
             previous = snapshot
         steps.append(step)
@@ -288,12 +350,12 @@ def _timeline(number: int, name: str, source: str, files: list[DumpFile], hops: 
         last_stats = module_stats(previous.module)
         if not any(step.changed for step in steps):
             overview = graph.render_svg(graph.computation_graph(previous.module.entry, max_nodes=max_nodes * 2),
-                                        id_prefix=f"m{number}-{source}-overview")
+                                        id_prefix=f"m{number}-{source}-overview", layout=layout)
         previous.release()
     return ModuleTimeline(number, name, source, steps, first_stats, last_stats, overview)
 
 
-def _compare(step: Step, hops: int, max_nodes: int) -> None:
+def _compare(step: Step, hops: int, max_nodes: int, layout: str) -> None:
     old, new = step.previous.module, step.snapshot.module
     step.diff = diff_modules(old, new)
     if step.diff.identical:
@@ -303,7 +365,7 @@ def _compare(step: Step, hops: int, max_nodes: int) -> None:
     prefix = re.sub(r"\W", "-", f"m{step.snapshot.file.number}-{step.snapshot.file.source}-"
                                 f"{step.snapshot.file.step or step.snapshot.file.stage}")
     for index, comp in enumerate(changed[:MAX_GRAPHED_COMPUTATIONS]):
-        step.graphs.append(_graph_pair(old, new, comp, hops, max_nodes, f"{prefix}-{index}"))
+        step.graphs.append(_graph_pair(old, new, comp, hops, max_nodes, f"{prefix}-{index}", layout))
     if len(changed) > MAX_GRAPHED_COMPUTATIONS:
         step.graph_notes.append(f"{len(changed) - MAX_GRAPHED_COMPUTATIONS} more changed computations "
                                 f"not drawn: {', '.join(c.new for c in changed[MAX_GRAPHED_COMPUTATIONS:])}")
@@ -312,16 +374,80 @@ def _compare(step: Step, hops: int, max_nodes: int) -> None:
         if comps:
             listed = ", ".join(f"{c.new or c.old} ({c.instructions})" for c in comps)
             step.graph_notes.append(f"{plural(len(comps), 'computation')} {status} (instructions): {listed}")
-    lines = list(difflib.unified_diff(_module_body(step.previous.text).splitlines(),
-                                      _module_body(step.snapshot.text).splitlines(),
-                                      os.path.basename(step.previous.file.path),
-                                      os.path.basename(step.snapshot.file.path), n=2, lineterm=""))
+    lines = unified_diff(_module_body(step.previous.text).splitlines(), _module_body(step.snapshot.text).splitlines(),
+                         os.path.basename(step.previous.file.path), os.path.basename(step.snapshot.file.path))
     step.text_diff = lines[:MAX_DIFF_LINES]
     step.text_diff_hidden = max(len(lines) - MAX_DIFF_LINES, 0)
 
 
+def unified_diff(old: list[str], new: list[str], old_label: str, new_label: str, context: int = 2) -> list[str]:
+    """``difflib.unified_diff``'s lines, matched as patience diff does: the lines that occur once
+    in each side anchor the match (their longest run in the same order), difflib matches what lies
+    between anchors.  difflib alone takes seconds on a 10,000-line module that a pass rewrote all
+    over; anchored, the gaps it sees are short."""
+    matcher = difflib.SequenceMatcher(None, old, new, autojunk=False)
+    matcher.matching_blocks = _anchored_blocks(old, new)  # what get_opcodes() reads
+    out = []
+    for group in matcher.get_grouped_opcodes(context):
+        if not out:
+            out += [f"--- {old_label}", f"+++ {new_label}"]
+        (_, i1, _, j1, _), (_, _, i2, _, j2) = group[0], group[-1]
+        out.append(f"@@ -{_hunk_range(i1, i2)} +{_hunk_range(j1, j2)} @@")
+        for tag, a1, a2, b1, b2 in group:
+            if tag == "equal":
+                out += [" " + line for line in old[a1:a2]]
+                continue
+            out += ["-" + line for line in old[a1:a2]]
+            out += ["+" + line for line in new[b1:b2]]
+    return out
+
+
+def _hunk_range(start: int, stop: int) -> str:
+    """A hunk's line range as unified diffs write it: 1-based, ``start,count``, an empty one before its line."""
+    count = stop - start
+    if count == 1:
+        return str(start + 1)
+    return f"{start + 1 if count else start},{count}"
+
+
+def _anchored_blocks(old: list[str], new: list[str]) -> list[tuple[int, int, int]]:
+    """Matching blocks (i, j, size) in order, adjacent ones merged, ending with (len(old), len(new), 0)."""
+    counts = collections.Counter(old)
+    in_new = collections.Counter(new)
+    where_new = {line: j for j, line in enumerate(new) if in_new[line] == 1}
+    pairs = [(i, where_new[line]) for i, line in enumerate(old) if counts[line] == 1 and line in where_new]
+    # The longest run of pairs increasing in j (pairs already increase in i): patience sorting.
+    tail_js: list[int] = []  # tail_js[k]: the smallest j that ends an increasing run of length k + 1
+    tails: list[int] = []    # tails[k]: that pair's index
+    previous = [-1] * len(pairs)
+    for index, (_, j) in enumerate(pairs):
+        k = bisect.bisect_left(tail_js, j)
+        previous[index] = tails[k - 1] if k else -1
+        tails[k:k + 1], tail_js[k:k + 1] = [index], [j]
+    anchors = []
+    at = tails[-1] if tails else -1
+    while at >= 0:
+        anchors.append(pairs[at])
+        at = previous[at]
+    blocks: list[tuple[int, int, int]] = []
+    i0 = j0 = 0
+    for i, j in [*reversed(anchors), (len(old), len(new))]:
+        gap = difflib.SequenceMatcher(None, old[i0:i], new[j0:j], autojunk=False).get_matching_blocks()
+        blocks += [(i0 + a, j0 + b, size) for a, b, size in gap if size]
+        if i < len(old):
+            blocks.append((i, j, 1))
+        i0, j0 = i + 1, j + 1
+    merged: list[tuple[int, int, int]] = []
+    for i, j, size in blocks:
+        if merged and merged[-1][0] + merged[-1][2] == i and merged[-1][1] + merged[-1][2] == j:
+            merged[-1] = (merged[-1][0], merged[-1][1], merged[-1][2] + size)
+        else:
+            merged.append((i, j, size))
+    return merged + [(len(old), len(new), 0)]
+
+
 def _graph_pair(old: HloModule, new: HloModule, comp: ComputationDiff, hops: int, max_nodes: int,
-                id_prefix: str) -> GraphPair:
+                id_prefix: str, layout: str) -> GraphPair:
     """Each side's changes (and what the other side changed, where that name exists here)
     plus ``hops`` of context."""
     old_comp, new_comp = old.computation(comp.old), new.computation(comp.new)
@@ -334,15 +460,20 @@ def _graph_pair(old: HloModule, new: HloModule, comp: ComputationDiff, hops: int
     old_focus = list(old_status) + [n for n in new_status if n in old_names and n not in old_status]
     new_focus = list(new_status) + [n for n in old_status if n in new_names and n not in new_status]
     title = comp.new if comp.old == comp.new else f"{comp.old} -> {comp.new}"
-    pair = GraphPair(title, None, None, [], [])
+    changes = ([Change("removed", name, None) for name, _ in comp.removed]
+               + [Change("added", None, name) for name, _ in comp.added]
+               + [Change("changed", c.old, c.new) for c in comp.changed])
+    pair = GraphPair(title, None, None, [], [], f"{id_prefix}-b", f"{id_prefix}-a", changes)
     if old_focus:
         g = graph.computation_graph(old_comp, focus=old_focus, hops=hops, max_nodes=max_nodes,
                                     status=old_status, title=f"before: {comp.old}")
-        pair.before_svg, pair.before_nodes = graph.render_svg(g, f"{id_prefix}-b"), [n.name for n in g.nodes]
+        pair.before_svg = graph.render_svg(g, pair.before_id, layout)
+        pair.before_nodes = [n.name for n in g.nodes]
     if new_focus:
         g = graph.computation_graph(new_comp, focus=new_focus, hops=hops, max_nodes=max_nodes,
                                     status=new_status, title=f"after: {comp.new}")
-        pair.after_svg, pair.after_nodes = graph.render_svg(g, f"{id_prefix}-a"), [n.name for n in g.nodes]
+        pair.after_svg = graph.render_svg(g, pair.after_id, layout)
+        pair.after_nodes = [n.name for n in g.nodes]
     return pair
 
 
@@ -365,15 +496,51 @@ ol.timeline li { border: 1px solid #ced4da; border-radius: 4px; padding: 1px 6px
 ol.timeline li.changed { background: #ffe8cc; border-color: #e67700; }
 ol.timeline li.error { background: #ffe3e3; border-color: #c92a2a; }
 ol.timeline li.unchanged { color: #868e96; }
-.pair { display: grid; grid-template-columns: 1fr 1fr; gap: 10px; }
+.pass-body { display: grid; grid-template-columns: minmax(0, 1fr) 250px; gap: 10px; align-items: start; }
+aside.changes { position: sticky; top: 36px; max-height: 85vh; overflow: auto; font-size: 12px;
+                border: 1px solid #dee2e6; padding: 4px 8px; background: #f8f9fa; }
+aside.changes h5 { margin: 6px 0 2px; font-size: 12px; }
+aside.changes ul { list-style: none; padding: 0; margin: 0; }
+aside.changes li { margin: 2px 0; overflow-wrap: anywhere; }
+aside.changes .added { color: #2b8a3e; } aside.changes .removed { color: #c92a2a; }
+aside.changes .changed { color: #e67700; }
+g.node:target > rect { stroke: #1c7ed6; stroke-width: 5; }
+pre span:target { background: #ffec99; }
+.pair { display: grid; grid-template-columns: minmax(0, 1fr) minmax(0, 1fr); gap: 10px; }
 .side { border: 1px solid #dee2e6; overflow: auto; max-height: 720px; background: #fff; }
-.side h4 { margin: 4px 8px; font-size: 13px; }
+.side h4 { margin: 0; padding: 4px 8px; font-size: 13px; position: sticky; top: 0; left: 0;
+           background: #fff; z-index: 1; width: fit-content; }
 .notes { color: #495057; font-size: 12px; margin: 0; }
 .delta-pos { color: #2b8a3e; } .delta-neg { color: #c92a2a; }
 label.fit { position: sticky; top: 0; display: inline-block; background: #fff; padding: 4px 8px;
             border: 1px solid #dee2e6; border-radius: 4px; z-index: 1; font-size: 13px; }
 #fit:checked ~ section svg.hlo-graph { max-width: 100%; height: auto; }
 """
+
+
+# Scrolls every graph box to what changed in it at load, so that the graphs stay at 100% (readable)
+# and still open on the change: the centre of the marked nodes when they fit in the box, else the
+# first of them. And opens the text diff before a side panel's diff link goes to a line in it (not
+# every browser opens a closed <details> for a link into it). The page's Content-Security-Policy
+# allows this script by its hash, and no other.
+_SCRIPT = """
+for (const box of document.querySelectorAll('.side')) {
+  const rects = [...box.querySelectorAll('g.node.added, g.node.removed, g.node.changed')]
+    .map(node => node.getBoundingClientRect());
+  if (!rects.length) continue;
+  const union = rects.reduce((u, r) => ({left: Math.min(u.left, r.left), top: Math.min(u.top, r.top),
+                                         right: Math.max(u.right, r.right), bottom: Math.max(u.bottom, r.bottom)}));
+  const fits = union.right - union.left <= box.clientWidth && union.bottom - union.top <= box.clientHeight;
+  const target = fits ? union : rects[0];
+  const origin = box.getBoundingClientRect();
+  box.scrollLeft += (target.left + target.right) / 2 - origin.left - box.clientLeft - box.clientWidth / 2;
+  box.scrollTop += (target.top + target.bottom) / 2 - origin.top - box.clientTop - box.clientHeight / 2;
+}
+for (const link of document.querySelectorAll('aside.changes a.diff')) {
+  link.addEventListener('click', () => { document.getElementById(link.hash.slice(1)).closest('details').open = true; });
+}
+"""
+_SCRIPT_HASH = base64.b64encode(hashlib.sha256(_SCRIPT.encode()).digest()).decode()
 
 
 def plural(count: int, noun: str) -> str:
@@ -409,40 +576,67 @@ def _table(header: list[str], rows: list[list[str]], numeric: set[int] = frozens
 
 
 def render_html(report: Report) -> str:
-    """The report as one HTML page: inline CSS and SVG, no script, nothing fetched."""
+    """The report as one HTML page: inline CSS, SVG and one script, nothing fetched.
+
+    Modules that changed (or have an unreadable file) come first, in dump order; the others
+    are folded into one ``<details>`` at the end, its summary naming them (open when there is
+    nothing else to show)."""
     title = f"HLO dump report: {report.directory}"
+    anchored = [(f"module-{index}", m) for index, m in enumerate(report.modules)]
+    shown = [(anchor, m) for anchor, m in anchored if m.changed or m.unreadable]
+    folded = [(anchor, m) for anchor, m in anchored if not (m.changed or m.unreadable)]
+    selection = (f" matching --module <code>{_esc(report.module_pattern)}</code> "
+                 f"({report.unselected_modules:,} more not selected)" if report.module_pattern else "")
     out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
            "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; "
-           "style-src 'unsafe-inline'; img-src data:\">",
+           f"style-src 'unsafe-inline'; img-src data:; script-src 'sha256-{_SCRIPT_HASH}'\">",
            f"<title>{_esc(title)}</title><style>{_CSS}</style></head><body>",
            f"<h1>{_esc(title)}</h1>",
-           f"<p>{plural(len(report.modules), 'module')}; {plural(report.ignored_files, 'other file')} "
-           f"in the directory ignored "
+           f"<p>{plural(len(report.modules), 'module')}{selection}, "
+           f"{sum(m.changed for m in report.modules):,} changed; "
+           f"{plural(report.ignored_files, 'other file')} in the directory ignored "
            f"(buffer assignments, LLVM IR, ...). Graphs show each changed computation's changed "
-           f"instructions and their neighbours; hover a node for its instruction.</p>"]
+           f"instructions and their neighbours, scrolled to the change; hover a node for its instruction.</p>"]
     if report.warnings:
         out.append('<div class="warnings"><strong>Warnings</strong><ul>')
         out += [f"<li>{_esc(w)}</li>" for w in report.warnings]
         out.append("</ul></div>")
-    out.append(_contents(report))
+    out.append("<h2>Modules</h2>")
+    if shown:
+        out.append(_contents(shown))
+    if folded:
+        out.append(f'<p><a href="#unchanged-modules">{_esc(_folded_line(folded))}</a> (folded at the end)</p>')
     # A checkbox and CSS, no script: shrink every graph to its box, or show it at full size.
     out.append('<input type="checkbox" id="fit"><label class="fit" for="fit">fit graphs to width</label>')
-    for index, module in enumerate(report.modules):
-        out.append(_module_html(module, f"module-{index}"))
+    out += [_module_html(module, anchor) for anchor, module in shown]
+    if folded:
+        out.append(f'<details id="unchanged-modules"{"" if shown else " open"}>'
+                   f'<summary>{_esc(_folded_line(folded))}</summary>')
+        out.append(_contents(folded))
+        out += [_module_html(module, anchor) for anchor, module in folded]
+        out.append("</details>")
+    out.append(f"<script>{_SCRIPT}</script>")
     out.append("</body></html>")
     return "\n".join(out) + "\n"
 
 
-def _contents(report: Report) -> str:
+def _folded_line(modules: list[tuple[str, ModuleTimeline]]) -> str:
+    """``21 unchanged modules: jit__normal, jit_broadcast_in_dim, ...``"""
+    names = list(dict.fromkeys(m.name for _, m in modules))
+    listed = ", ".join(names[:MAX_FOLDED_NAMES]) + (", ..." if len(names) > MAX_FOLDED_NAMES else "")
+    return f"{plural(len(modules), 'unchanged module')}: {listed}"
+
+
+def _contents(modules: list[tuple[str, ModuleTimeline]]) -> str:
+    """The table of contents of (anchor, module)s."""
     rows = []
-    for index, m in enumerate(report.modules):
+    for anchor, m in modules:
         changed = sum(1 for s in m.steps if s.changed)
         first, last = m.first_stats, m.last_stats
-        rows.append([f'<a href="#module-{index}">{_esc(m.title)}</a>', _num(len(m.steps)), _num(changed),
+        rows.append([f'<a href="#{anchor}">{_esc(m.title)}</a>', _num(len(m.steps)), _num(changed),
                      _delta(first.instructions, last.instructions) if first else "-",
                      _delta(len(first.collectives), len(last.collectives)) if first else "-"])
-    return "<h2>Modules</h2>" + _table(["module", "steps", "changed", "instructions", "collectives"], rows,
-                                       numeric={1, 2, 3, 4})
+    return _table(["module", "steps", "changed", "instructions", "collectives"], rows, numeric={1, 2, 3, 4})
 
 
 def _module_html(m: ModuleTimeline, anchor: str) -> str:
@@ -554,12 +748,17 @@ def _step_html(step: Step, anchor: str) -> str:
                                               in step.diff.opcodes.items()) + "</p>")
     if step.snapshot.notes:
         out.append(f"<pre class=\"report-lines\">{_esc(chr(10).join(step.snapshot.notes))}</pre>")
+    diff_html, diff_lines = _text_diff_html(step.text_diff, f"{anchor}-diff")
+    if step.graphs:
+        out.append('<div class="pass-body"><div>')
     for pair in step.graphs:
         out.append(f"<h4>computation {_esc(pair.title)}</h4><div class=\"pair\">")
         for side, svg in (("before", pair.before_svg), ("after", pair.after_svg)):
             body = svg or f"<p>nothing of this computation changed on the {side} side</p>"
             out.append(f'<div class="side {side}"><h4>{side}</h4>{body}</div>')
         out.append("</div>")
+    if step.graphs:
+        out.append(f"</div>{_changes_panel(step.graphs, diff_lines)}</div>")
     out += [f'<p class="notes">{_esc(n)}</p>' for n in step.graph_notes]
     structural = step.diff.format(os.path.basename(step.previous.file.path),
                                   os.path.basename(file.path)).splitlines()
@@ -568,7 +767,50 @@ def _step_html(step: Step, anchor: str) -> str:
     out.append(f"<details><summary>structural diff (hlo-tools diff)</summary>"
                f"<pre>{_esc(chr(10).join(shown) + more)}</pre></details>")
     more = f"\n... {step.text_diff_hidden} more lines" if step.text_diff_hidden else ""
-    out.append(f"<details><summary>text diff</summary>"
-               f"<pre>{_esc(chr(10).join(step.text_diff) + more)}</pre></details>")
+    out.append(f"<details><summary>text diff</summary><pre>{diff_html}{more}</pre></details>")
     out.append("</section>")
     return "\n".join(out)
+
+
+_DEFINITION = re.compile(r"([-+])\s*(?:ROOT\s+)?%?([^\s=]+)\s*=\s")
+
+
+def _text_diff_html(lines: list[str], id_prefix: str) -> tuple[str, dict[tuple[str, str], str]]:
+    """The text diff as HTML, each removed or added instruction's first line an anchor; and
+    (sign, name) -> that anchor's id."""
+    anchors: dict[tuple[str, str], str] = {}
+    out = []
+    for number, line in enumerate(lines):
+        match = _DEFINITION.match(line) if not line.startswith(("---", "+++")) else None
+        if match and match.groups() not in anchors:
+            anchors[match.groups()] = f"{id_prefix}-{number}"
+            out.append(f'<span id="{anchors[match.groups()]}">{_esc(line)}</span>')
+        else:
+            out.append(_esc(line))
+    return "\n".join(out), anchors
+
+
+def _changes_panel(pairs: list[GraphPair], diff_lines: dict[tuple[str, str], str]) -> str:
+    """The side panel: per graphed computation, its changed instructions, each linking to its
+    node in the before and after graphs (CSS outlines the target) and to its line in the text diff."""
+    out = ['<aside class="changes"><strong>Changed instructions</strong>']
+    for pair in pairs:
+        before = {name: graph.node_id(pair.before_id, i) for i, name in enumerate(pair.before_nodes)}
+        after = {name: graph.node_id(pair.after_id, i) for i, name in enumerate(pair.after_nodes)}
+        out.append(f"<h5>{_esc(pair.title)}</h5><ul>")
+        for change in pair.changes[:MAX_LISTED_CHANGES]:
+            links = [f'<a class="focus" href="#{ids[name]}">{side}</a>'
+                     for side, ids, name in (("before", before, change.before), ("after", after, change.after))
+                     if name in ids]
+            line = diff_lines.get(("-", change.before)) or diff_lines.get(("+", change.after))
+            if line:
+                links.append(f'<a class="diff" href="#{line}">diff</a>')
+            out.append(f'<li class="{change.status}" data-name="{_esc(change.name)}">'
+                       f'<span class="{change.status}" title="{change.status}">{change.status[0].upper()}</span> '
+                       f'{_esc(change.name)} '
+                       f'{" ".join(links)}</li>')
+        if len(pair.changes) > MAX_LISTED_CHANGES:
+            out.append(f"<li>... {len(pair.changes) - MAX_LISTED_CHANGES:,} more</li>")
+        out.append("</ul>")
+    out.append("</aside>")
+    return "".join(out)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from hlo_tools import cli, report
-from hlo_tools.graph_command import check_drawing_options
+from hlo_tools import cli, graph, report
+from hlo_tools.graph_command import add_layout_option, check_drawing_options
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -17,10 +17,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "report", help="an HTML report of a dump directory: every pass, what it changed, graphs",
         description="Read the HLO files of an XLA_PASSES_DUMP_TO, --xla_dump_to or hlo-tools dump "
-                    "directory and write one self-contained HTML page (no network, no script): per "
-                    "module a timeline of its passes with what each changed and its report lines, "
-                    "before/after SVG graphs of the changed neighbourhood, the diff as text, and IR "
-                    "statistics. Files that do not parse are listed as warnings in the page.")
+                    "directory and write one self-contained HTML page (no network): per module a "
+                    "timeline of its passes with what each changed and its report lines, before/after "
+                    "SVG graphs of the changed neighbourhood (opened on the change), a list of the changed "
+                    "instructions, the diff as text, and IR statistics. Modules that changed come first; "
+                    "the others are folded into one line. Files that do not parse are listed as warnings "
+                    "in the page.")
     p.add_argument("directory", help="the dump directory")
     p.add_argument("-o", "--output", metavar="OUT", required=True,
                    help="the HTML file to write (atomically; never one of the dump's files)")
@@ -29,6 +31,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         f"{report.DEFAULT_HOPS})")
     p.add_argument("--max-nodes", type=int, default=report.DEFAULT_MAX_NODES, metavar="N",
                    help=f"draw at most N instructions per graph (default: {report.DEFAULT_MAX_NODES})")
+    p.add_argument("--module", metavar="REGEX",
+                   help="only the modules whose name or a file name REGEX finds (re.search), e.g. "
+                        "'jit_step' or 'module_0016'")
+    add_layout_option(p)
     p.set_defaults(func=run_report)
 
 
@@ -43,8 +49,9 @@ def run_report(args: argparse.Namespace) -> int:
         for files in report.scan_dump(args.directory).values():
             if any(cli._same_file(args.output, file.path) for file in files):
                 raise cli.CommandError("refusing to overwrite a file of the dump", args.output)
-        page = report.build_report(args.directory, hops=args.hops, max_nodes=args.max_nodes)
-    except report.ReportError as exc:
+        page = report.build_report(args.directory, hops=args.hops, max_nodes=args.max_nodes,
+                                   layout=args.layout, module_pattern=args.module)
+    except (report.ReportError, graph.LayoutError) as exc:
         raise cli.CommandError(str(exc)) from exc
     cli.write_atomically(args.output, report.render_html(page))
     steps = sum(len(m.steps) for m in page.modules)

@@ -1,7 +1,13 @@
-"""`hlo_tools.graph` and `hlo-tools graph`: SVG drawings of computations."""
+"""`hlo_tools.graph` and `hlo-tools graph`: SVG drawings of computations.
+
+Both layouts are tested: builtin always, dot where Graphviz is installed (.ci/run
+installs it; without it those tests skip, except under CI=true, where they fail).
+"""
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import time
 import xml.etree.ElementTree as ET
 
@@ -61,6 +67,19 @@ def wide_module(chains: int) -> hlo_tools.HloModule:
     return hlo_tools.parse_module("\n".join(lines))
 
 
+def layout_or_skip(layout: str) -> str:
+    """``layout``, when this machine can draw it: dot needs Graphviz (a failure under CI=true)."""
+    if layout == "dot" and shutil.which("dot") is None:
+        message = "Graphviz's dot is not installed (apt-get install graphviz)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must test the dot layout: {message}")
+        pytest.skip(message)
+    return layout
+
+
+BOTH_LAYOUTS = pytest.mark.parametrize("layout", ["builtin", "dot"])
+
+
 def drawn_nodes(svg: str) -> dict[str, dict]:
     """Each node of a rendered SVG: its classes, box (x, y, width, height) and texts; the SVG must be valid XML."""
     root = ET.fromstring(svg)
@@ -100,23 +119,54 @@ def test_small_module_every_instruction_with_highlights_and_a_legend():
     assert "6 instructions shown" in svg and "not shown" not in svg
 
 
-def test_layout_operands_above_users_and_no_overlaps():
+@pytest.fixture(scope="module")
+def shard_map_body():
     step, args = real_programs.shard_map_mlp_step()
     hlo = hlo_tools.parse_module(step.lower(*args).compiler_ir("hlo").as_hlo_text())
-    comp = max(hlo.computations, key=lambda c: len(c.instructions))
+    return max(hlo.computations, key=lambda c: len(c.instructions))
+
+
+@BOTH_LAYOUTS
+def test_layout_operands_above_users_and_no_overlaps(shard_map_body, layout):
+    comp = shard_map_body
     drawn = graph.computation_graph(comp, max_nodes=500)
-    nodes = drawn_nodes(graph.render_svg(drawn))
+    svg = graph.render_svg(drawn, layout=layout_or_skip(layout))
+    nodes = drawn_nodes(svg)
     assert len(nodes) == len(comp.instructions) > 20
     for src, dst in drawn.edges:
         assert nodes[src]["box"][1] + nodes[src]["box"][3] < nodes[dst]["box"][1], (src, dst)
-    rows: dict[float, list] = {}
-    for node in nodes.values():
-        rows.setdefault(node["box"][1], []).append(node["box"])
-    for boxes in rows.values():
-        boxes.sort()
-        for (x1, _, w1, _), (x2, _, _, _) in zip(boxes, boxes[1:]):
-            assert x1 + w1 < x2
+    boxes = sorted(node["box"] for node in nodes.values())
+    for i, (x1, y1, w1, h1) in enumerate(boxes):  # no two nodes overlap
+        for x2, y2, w2, h2 in boxes[i + 1:]:
+            assert x1 + w1 <= x2 or y1 + h1 <= y2 or y2 + h2 <= y1, ((x1, y1), (x2, y2))
     assert any("collective" in n["classes"] and n["opcode"] == "all-reduce" for n in nodes.values())
+    root = ET.fromstring(svg)
+    width, height = float(root.get("width")), float(root.get("height"))
+    assert all(0 <= x and x + w <= width and 0 <= y and y + h <= height for x, y, w, h in boxes)
+    paths = root.findall(f"{SVG}g[@class='edges']/{SVG}path")
+    assert len(paths) == len(drawn.edges)
+    def on_outline(point, box) -> bool:
+        (px, py), (x, y, w, h) = point, box
+        inside = x - 2 <= px <= x + w + 2 and y - 2 <= py <= y + h + 2
+        return inside and min(abs(px - x), abs(px - x - w), abs(py - y), abs(py - y - h)) < 2
+
+    for path, (src, dst) in zip(paths, drawn.edges):  # each edge from its operand's outline to its user's
+        points = [tuple(map(float, p.split(","))) for p in re.findall(r"-?[\d.]+,-?[\d.]+", path.get("d"))]
+        assert len(points) % 3 == 1  # a start and cubic Bezier segments
+        assert on_outline(points[0], nodes[src]["box"]), (src, dst, points[0])
+        assert on_outline(points[-1], nodes[dst]["box"]), (src, dst, points[-1])
+
+
+def test_the_two_layouts_differ_and_auto_means_dot_when_installed(shard_map_body, monkeypatch):
+    drawn = graph.computation_graph(shard_map_body, max_nodes=500)
+    dot, builtin = (graph.render_svg(drawn, layout=layout) for layout in (layout_or_skip("dot"), "builtin"))
+    boxes = {svg: {name: n["box"] for name, n in drawn_nodes(svg).items()} for svg in (dot, builtin)}
+    assert boxes[dot] != boxes[builtin] and boxes[dot].keys() == boxes[builtin].keys()
+    assert graph.render_svg(drawn) == dot
+    monkeypatch.setattr(graph.shutil, "which", lambda name: None)  # no Graphviz
+    assert graph.render_svg(drawn) == builtin
+    with pytest.raises(graph.LayoutError, match="dot is not installed"):
+        graph.render_svg(drawn, layout="dot")
 
 
 def test_focus_takes_hops_of_neighbours_and_counts_the_rest():
@@ -150,15 +200,16 @@ def test_async_collective_halves_are_collectives():
     assert (kinds["start"], kinds["r"], kinds["n"]) == ("collective", "collective", "other")
 
 
-def test_a_few_thousand_instructions_stay_bounded_in_time_and_size():
+@BOTH_LAYOUTS
+def test_a_few_thousand_instructions_stay_bounded_in_time_and_size(layout):
     module = wide_module(1000)  # 4,001 instructions in the entry
     start = time.perf_counter()
     drawn = graph.computation_graph(module.entry)
-    svg = graph.render_svg(drawn)
+    svg = graph.render_svg(drawn, layout=layout_or_skip(layout))
     seconds = time.perf_counter() - start
     assert seconds < 2.0, seconds
     assert len(drawn.nodes) == graph.DEFAULT_MAX_NODES and drawn.hidden == 4001 - graph.DEFAULT_MAX_NODES
-    assert f"{4001 - graph.DEFAULT_MAX_NODES} more not shown" in svg
+    assert f"{4001 - graph.DEFAULT_MAX_NODES:,} more not shown" in svg
     assert len(svg) < 150_000, len(svg)
     width = float(ET.fromstring(svg).get("width"))
     assert width < 3000, width  # the ROOT's 1000 operands wrap onto rows instead of one endless line
@@ -187,6 +238,12 @@ def test_graph_command_writes_svg(capsys, small_file, tmp_path):
     assert set(drawn_nodes(out)) == {"fp", "fc", "fb", "fm"}
     status, out, _ = run(capsys, "graph", str(small_file), "--max-nodes", "2")
     assert set(drawn_nodes(out)) == {"t", "cc"} and "4 more not shown" in out
+    drawings = {layout: run(capsys, "graph", str(small_file), "--layout", layout)[1] for layout in ("builtin", "dot")}
+    assert drawings["builtin"] == graph.render_svg(graph.computation_graph(
+        hlo_tools.parse_module(SMALL).entry, title="small: computation main"), layout="builtin")
+    if shutil.which("dot"):
+        assert set(drawn_nodes(drawings["dot"])) == set(drawn_nodes(drawings["builtin"]))
+        assert drawings["dot"] != drawings["builtin"]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -194,11 +251,24 @@ def test_graph_command_writes_svg(capsys, small_file, tmp_path):
     (["--focus", "nope"], "no instruction named 'nope' in computation main"),
     (["--max-nodes", "0"], "--max-nodes must be at least 1, not 0"),
     (["--hops", "-1"], "--hops must be 0 or more, not -1"),
+    (["--layout", "dot"], "--layout dot: Graphviz's dot is not installed (apt-get install graphviz)"),
 ])
-def test_graph_command_bad_options_are_one_line(capsys, small_file, argv, message):
+def test_graph_command_bad_options_are_one_line(capsys, small_file, argv, message, monkeypatch):
+    monkeypatch.setattr(graph.shutil, "which", lambda name: None)  # no Graphviz
     status, out, err = run(capsys, "graph", str(small_file), *argv)
     assert status == 1 and out == ""
     assert len(err.splitlines()) == 1 and message in err
+
+
+def test_a_failing_dot_is_one_line(capsys, small_file, tmp_path, monkeypatch):
+    fake = tmp_path / "dot"
+    fake.write_text("#!/bin/sh\necho 'Error: out of memory' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    status, out, err = run(capsys, "graph", str(small_file), "--layout", "dot")
+    assert status == 1 and out == ""
+    assert err == (f"hlo-tools: error: {small_file}: dot failed on small: computation main (exit status 3): "
+                   f"Error: out of memory\n")
 
 
 def test_graph_command_bad_input_is_one_line_and_never_overwritten(capsys, small_file, tmp_path):

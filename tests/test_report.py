@@ -7,9 +7,13 @@ tests/test_report_browser.py.
 """
 from __future__ import annotations
 
+import base64
 import collections
+import difflib
+import hashlib
 import html
 import os
+import random
 import re
 import stat
 import time
@@ -19,7 +23,7 @@ import pytest
 import hlo_tools
 import real_programs
 import xla_passes
-from hlo_tools import report
+from hlo_tools import graph, report
 from hlo_tools.report import classify
 from support import run_hlo_tools as run
 
@@ -170,7 +174,9 @@ def test_a_module_no_step_changed_gets_a_graph_of_its_entry(tmp_path):
     (module,) = page.modules
     assert [s.changed for s in module.steps] == [False, False]
     assert module.overview_svg.count('<g class="node ') == len(hlo_tools.parse_module(MOMENTUM).entry.instructions)
-    assert report.render_html(page).count("<svg ") == 1
+    text = report.render_html(page)
+    assert text.count("<svg ") == 1
+    assert '<details id="unchanged-modules" open><summary>1 unchanged module: momentum</summary>' in text
 
 
 def test_text_from_modules_is_escaped(tmp_path):
@@ -183,10 +189,15 @@ def test_text_from_modules_is_escaped(tmp_path):
         "// <img src=x onerror=alert(2)> & more\n" + sneaky.replace("beta = f32[] constant(0.9)",
                                                                    "beta = f32[] constant(0.8)"))
     text = report.render_html(report.build_report(str(dump)))
-    assert "<script" not in text and "<img" not in text
+    (script,) = re.findall(r"<script>(.*?)</script>", text, re.DOTALL)  # only the page's own script
+    assert "alert" not in script and "<img" not in text
     assert "&lt;img src=x onerror=alert(2)&gt; &amp; more" in text
     assert "&lt;/pre&gt;&lt;script&gt;alert(1)&lt;/script&gt;" in text  # in the text diff
-    assert "default-src 'none'" in text  # and the page may not load or run anything anyway
+    # And the page may not load anything, nor run any script but that one (allowed by its hash).
+    (policy,) = re.findall(r'http-equiv="Content-Security-Policy" content="([^"]*)"', text)
+    digest = base64.b64encode(hashlib.sha256(script.encode()).digest()).decode()
+    assert policy.startswith("default-src 'none';") and f"script-src 'sha256-{digest}'" in policy
+    assert "unsafe" not in policy.split("script-src")[1]
 
 
 def test_a_few_thousand_instructions_report_is_bounded(tmp_path):
@@ -259,3 +270,151 @@ def test_report_command_errors_are_one_line(capsys, wus_dump, tmp_path):
     status, _, err = run(capsys, "report", str(dump), "-o", str(tmp_path))
     assert status == 1 and "is a directory" in err
     assert not (tmp_path / "out.html").exists()
+
+
+# --- module selection, order, side panel, big computations ------------------------------------------
+
+
+@pytest.fixture
+def three_modules(tmp_path, wus_dump):
+    """Module 3 (weight-update-sharding changed it) between two modules that nothing changed."""
+    dump, _ = wus_dump
+    for number, name in ((1, "jit__normal"), (7, "jit_broadcast_in_dim")):
+        (dump / f"module_{number:04d}.{name}.before_xla_passes.txt").write_text(MOMENTUM)
+        (dump / f"module_{number:04d}.{name}.0001.after_dce.txt").write_text(MOMENTUM)
+    return dump
+
+
+def test_changed_modules_first_the_unchanged_folded_into_one_line(three_modules):
+    page = report.build_report(str(three_modules))
+    assert [(m.number, m.changed) for m in page.modules] == [(1, False), (3, True), (7, False)]
+    text = report.render_html(page)
+    folded = "2 unchanged modules: jit__normal, jit_broadcast_in_dim"
+    assert "3 modules, 1 changed" in text
+    assert f'<a href="#unchanged-modules">{folded}</a>' in text
+    details = text.index(f'<details id="unchanged-modules"><summary>{folded}</summary>')
+    sections = [text.index(f'<section class="module" id="module-{i}">') for i in range(3)]
+    assert sections[1] < details < sections[0] < sections[2]  # the changed module's section first
+    assert text.count("<details id=") == 1
+
+
+def test_module_selects_by_module_name_or_file_name(three_modules):
+    page = report.build_report(str(three_modules), module_pattern="jit_")
+    assert [m.name for m in page.modules] == ["jit__normal", "jit_broadcast_in_dim"]
+    assert page.unselected_modules == 1 and page.ignored_files == 0
+    assert "2 modules matching --module <code>jit_</code> (1 more not selected), 0 changed" in report.render_html(page)
+    assert [m.number for m in report.build_report(str(three_modules), module_pattern="^module_0007").modules] == [7]
+    assert [m.name for m in report.build_report(str(three_modules), module_pattern="weight-update").modules] == [
+        "momentum"]  # a pass's file name
+    with pytest.raises(report.ReportError, match=r"^--module 'nope' matches none of the 3 modules \(by name or file "
+                                                 r"name\): jit__normal, momentum, jit_broadcast_in_dim$"):
+        report.build_report(str(three_modules), module_pattern="nope")
+
+
+def test_report_command_module_and_layout_options(capsys, three_modules, tmp_path, monkeypatch):
+    target = tmp_path / "report.html"
+    status, out, err = run(capsys, "report", str(three_modules), "-o", str(target), "--module", "momentum",
+                           "--layout", "builtin")
+    assert (status, out, err) == (0, f"{target}: 1 module, 3 steps\n", "")
+    assert target.read_text().count('<section class="module"') == 1
+    for argv, message in [(["--module", "nope"], "hlo-tools: error: --module 'nope' matches none of the 3 modules"),
+                          (["--module", "(jit"], "hlo-tools: error: --module '(jit': not a regular expression ("),
+                          (["--layout", "dot"], "hlo-tools: error: --layout dot: Graphviz's dot is not installed")]:
+        monkeypatch.setattr(graph.shutil, "which", lambda name: None)  # no Graphviz
+        status, out, err = run(capsys, "report", str(three_modules), "-o", str(target), *argv)
+        assert status == 1 and out == "" and len(err.splitlines()) == 1 and err.startswith(message), err
+
+
+def test_side_panel_links_each_change_to_its_nodes_and_its_diff_line(wus_dump):
+    dump, _ = wus_dump
+    page = report.build_report(str(dump))
+    (pair,) = page.modules[0].steps[1].graphs
+    changes = {change.name: change for change in pair.changes}
+    assert changes["g"].status == "removed" and (changes["g"].before, changes["g"].after) == ("g", None)
+    text = report.render_html(page)
+    panel = re.search(r'<aside class="changes">.*?</aside>', text).group()
+    items = dict(re.findall(r'<li class="\w+" data-name="([^"]+)">(.*?)</li>', panel))
+    assert set(items) == set(changes)
+    links = dict((label, target) for target, label in re.findall(r'<a class="\w+" href="#([^"]+)">(\w+)</a>',
+                                                                   items["g"]))
+    assert set(links) == {"before", "diff"}
+    assert re.search(f'<g class="node collective removed" data-name="g" data-opcode="all-reduce" '
+                     f'id="{links["before"]}">', text)
+    assert re.search(f'<span id="{links["diff"]}">-  %?g = f32\\[64,16\\]({{[^}}]*}})? all-reduce\\(', text)
+    added = [c for c in pair.changes if c.status == "added"]
+    assert added and all(re.search(r'>after</a> <a class="diff"', items[c.name]) for c in added)
+
+
+def ten_thousand_instructions() -> str:
+    """2,500 parameter -> negate -> all-reduce -> exponential chains into the ROOT tuple, and two
+    dead instructions: 10,003 in the entry."""
+    chains = 2500
+    lines = ["HloModule big, replica_count=4", "", "add {", "  a = f32[] parameter(0)", "  b = f32[] parameter(1)",
+             "  ROOT c = f32[] add(a, b)", "}", "", "ENTRY main {"]
+    for i in range(chains):
+        lines += [f"  p{i} = f32[8]{{0}} parameter({i})", f"  n{i} = f32[8]{{0}} negate(p{i})",
+                  f"  r{i} = f32[8]{{0}} all-reduce(n{i}), replica_groups={{{{0,1,2,3}}}}, to_apply=add",
+                  f"  e{i} = f32[8]{{0}} exponential(r{i})"]
+    lines += ["  dead = f32[8]{0} add(e5, e6)", "  dead2 = f32[8]{0} multiply(dead, e7)",
+              f"  ROOT t = ({', '.join(['f32[8]{0}'] * chains)}) tuple({', '.join(f'e{i}' for i in range(chains))})",
+              "}", ""]
+    return "\n".join(lines)
+
+
+@pytest.mark.parametrize("passes", ["dce", "all-reduce-combiner"])
+def test_ten_thousand_instructions_graph_the_neighbourhood_of_the_change_quickly(tmp_path, passes):
+    dump = tmp_path / "dump"
+    xla_passes.Pipeline(passes, dump_to=str(dump)).run(hlo_tools.parse_module(ten_thousand_instructions()))
+    start = time.perf_counter()
+    page = report.build_report(str(dump))
+    text = report.render_html(page)
+    seconds = time.perf_counter() - start
+    assert seconds < 10, seconds  # about 1 s on a loaded 2-core machine
+    (step,) = [s for s in page.modules[0].steps if s.changed]
+    (pair,) = step.graphs
+    if passes == "dce":  # two removed: they and one hop around them
+        assert sorted(pair.before_nodes) == ["dead", "dead2", "e5", "e6", "e7"] and pair.after_svg is None
+        assert "before: main: 5 instructions shown, 9,998 more not shown" in text
+    else:  # 2,500 all-reduces combined: every graph at its cap, the text diff cut
+        assert len(pair.before_nodes) == len(pair.after_nodes) == report.DEFAULT_MAX_NODES
+        assert f"{report.DEFAULT_MAX_NODES} instructions shown, 9,943 more not shown" in text
+        assert step.text_diff_hidden > 10_000
+    assert len(text) < 200_000
+
+
+def apply_unified_diff(old: list[str], diff: list[str]) -> list[str]:
+    """``old`` patched by ``diff``, checking that its context and removed lines are old's."""
+    out, position = [], 0
+    for line in diff[2:]:
+        hunk = re.match(r"@@ -(\d+)(?:,(\d+))? \+\d+(?:,\d+)? @@$", line)
+        if hunk:
+            begin = int(hunk.group(1)) - (hunk.group(2) != "0")
+            out, position = out + old[position:begin], begin
+        elif line[0] == "+":
+            out.append(line[1:])
+        else:
+            assert old[position] == line[1:], (position, line)
+            out += [line[1:]] if line[0] == " " else []
+            position += 1
+    return out + old[position:]
+
+
+def test_unified_diff_patches_old_into_new_and_reads_like_difflib():
+    rng = random.Random(7)
+    like_difflib = 0
+    for _ in range(500):
+        words = [f"line {k}" for k in range(rng.randint(1, 20))]
+        old = [rng.choice(words) for _ in range(rng.randint(0, 30))]
+        new = list(old)
+        for _ in range(rng.randint(0, 6)):
+            at = rng.randint(0, len(new))
+            if rng.random() < 0.5 and at < len(new):
+                del new[at]
+            else:
+                new.insert(at, rng.choice([*words, "new"]))
+        diff = report.unified_diff(old, new, "a.txt", "b.txt")
+        assert apply_unified_diff(old, diff) == new and (diff == []) == (old == new)
+        like_difflib += diff == list(difflib.unified_diff(old, new, "a.txt", "b.txt", n=2, lineterm=""))
+    assert like_difflib > 400  # the same hunks unless lines repeat: then either is a right answer
+    assert report.unified_diff(["a", "b", "c", "d"], ["a", "c", "d", "e"], "x", "y") == [
+        "--- x", "+++ y", "@@ -1,4 +1,4 @@", " a", "-b", " c", " d", "+e"]

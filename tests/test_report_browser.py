@@ -1,13 +1,16 @@
 """`hlo-tools report` in a real browser: headless Chromium opens the page from disk.
 
-The dump comes from a real JAX program compiled at test time: the shard_map
-data-parallel step of tests/real_programs.py under
+The dump comes from a real JAX program compiled at test time: eager
+initialisation (jax.random, broadcasts, ...: twenty-odd small modules that the
+passes leave alone) and then the shard_map data-parallel step of
+tests/real_programs.py, all under
 `xla_passes.jax.enable("collective-fusion,dce", dump_to=...)`, with XLA's own
 all-reduce combiners off so that collective-fusion has all-reduces to combine.
-The test then checks what a reader sees: graphs drawn (non-empty SVG boxes with
-the combined all-reduce and the all-reduces it replaced, by name), a screenshot
-that is not blank and shows the graphs' colours, nothing fetched, and no
-console errors.
+The tests check what a reader sees: graphs drawn (non-empty SVG boxes with
+the combined all-reduce and the all-reduces it replaced, by name), each graph
+opened on what changed, the changed module first and the others folded,
+--module keeping one module, a screenshot that is not blank and shows the
+graphs' colours, nothing fetched, and no console errors.
 
 Chromium and chromedriver are Debian's `chromium` and `chromium-driver`
 packages (.ci/run installs them); the driver is selenium. Where they are
@@ -42,13 +45,20 @@ ADDED_STROKE = (0x2B, 0x8A, 0x3E)
 DUMP_PROGRAM = """
 import sys
 import jax
-import numpy as np
+import jax.numpy as jnp
 import real_programs
 import xla_passes.jax
 
 xla_passes.jax.enable("collective-fusion,dce", dump_to=sys.argv[1])
 step, args = real_programs.shard_map_mlp_step()
-inputs = jax.tree.map(lambda a: jax.device_put(np.ones(a.shape, a.dtype), a.sharding), args)
+# Eager initialisation: each jax.random call and jnp operation is a small module of its own.
+key = jax.random.key(0)
+w1 = jax.random.normal(key, (16, 32)) * 0.1
+w2 = jnp.clip(jax.random.uniform(jax.random.fold_in(key, 1), (32, 4)), 0.0, 0.5)
+x = jnp.tanh(jnp.broadcast_to(jnp.arange(16, dtype=jnp.float32), (64, 16)) / 16)
+y = jnp.exp(jnp.zeros((64, 4))) - jnp.ones((64, 4)).T.T + jnp.mean(x)
+params = (jax.device_put(w1, args[0][0].sharding), jax.device_put(w2, args[0][1].sharding))
+inputs = (params, jax.device_put(x, args[1].sharding), jax.device_put(y, args[2].sharding))
 jax.block_until_ready(step(*inputs))
 """
 
@@ -94,7 +104,8 @@ def browser():
 
 @pytest.fixture(scope="module")
 def collective_fusion_dump(tmp_path_factory):
-    """The dump directory of the real JAX step compiled with collective-fusion and dce."""
+    """The dump directory of the real JAX program compiled with collective-fusion and dce: the
+    step and the small modules of its initialisation."""
     dump = tmp_path_factory.mktemp("dump")
     env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_PASSES")}
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=NO_XLA_COMBINER_FLAGS, TF_CPP_MIN_LOG_LEVEL="2",
@@ -124,16 +135,24 @@ def _combined_replaced_simplified(dump) -> tuple[list[str], list[str], list[str]
     return combined, replaced, simplified
 
 
+def _module_number(dump, name: str) -> int:
+    (before,) = dump.glob(f"module_*.{name}.before_xla_passes.txt")
+    return int(before.name.split(".")[0].removeprefix("module_"))
+
+
 def test_report_renders_in_chromium_with_graphs_and_no_console_errors(browser, collective_fusion_dump,
                                                                       tmp_path, capsys):
     combined, replaced, simplified = _combined_replaced_simplified(collective_fusion_dump)
     page = tmp_path / "report.html"
-    assert cli.main(["report", str(collective_fusion_dump), "-o", str(page)]) == 0
+    assert cli.main(["report", str(collective_fusion_dump), "-o", str(page), "--module", "jit_step"]) == 0
     assert "1 module, 3 steps" in capsys.readouterr().out
 
     browser.get(page.as_uri())
     assert browser.execute_script("return document.readyState") == "complete"
     assert browser.title == f"HLO dump report: {collective_fusion_dump}"
+    assert browser.execute_script("""return [...document.querySelectorAll('section.module h2')]
+                                      .map(h => h.textContent)""") == [
+        f"module_{_module_number(collective_fusion_dump, 'jit_step'):04d} jit_step (xla_passes)"]
 
     # Every graph is drawn: a non-empty box holding nodes with text.
     graphs = browser.execute_script("""
@@ -192,3 +211,77 @@ def test_report_renders_in_chromium_with_graphs_and_no_console_errors(browser, c
     assert browser.execute_script("return performance.getEntriesByType('resource').length") == 0
     errors = [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
     assert errors == []
+
+
+# Where each node and its graph box are on screen: the box's inside (client area, without its
+# scroll bars) and the node's bounding box, in viewport coordinates.
+NODE_AND_BOX_GEOMETRY = """
+    const geometry = (node) => {
+        const box = node.closest('.side'), outer = box.getBoundingClientRect(), rect = node.getBoundingClientRect();
+        const left = outer.left + box.clientLeft, top = outer.top + box.clientTop;
+        return {name: node.dataset.name, box: [left, top, left + box.clientWidth, top + box.clientHeight],
+                node: [rect.left, rect.top, rect.right, rect.bottom],
+                scrolled: [box.scrollLeft, box.scrollTop], scrollable: [box.scrollWidth > box.clientWidth,
+                                                                        box.scrollHeight > box.clientHeight]};
+    };
+"""
+
+
+def _inside(geometry: dict) -> bool:
+    (left, top, right, bottom), (x1, y1, x2, y2) = geometry["box"], geometry["node"]
+    return left <= x1 and x2 <= right and top <= y1 and y2 <= bottom
+
+
+def test_many_modules_changed_first_unchanged_folded_graphs_open_on_the_change(browser, collective_fusion_dump,
+                                                                                tmp_path, capsys):
+    modules = [path.name.split(".")[1] for path in collective_fusion_dump.glob("*.before_xla_passes.txt")]
+    assert len(modules) >= 20 and "jit_step" in modules and "jit__normal" in modules
+    page = tmp_path / "report.html"
+    assert cli.main(["report", str(collective_fusion_dump), "-o", str(page), "--hops", "2"]) == 0
+    assert f"{len(modules)} modules" in capsys.readouterr().out
+    browser.get(page.as_uri())
+
+    # The step, which collective-fusion changed, is the first module; the others are folded into one line.
+    order = browser.execute_script("""
+        const folded = document.querySelector('details#unchanged-modules');
+        return {sections: [...document.querySelectorAll('section.module')].map(s => ({
+                    title: s.querySelector('h2').textContent, folded: folded.contains(s),
+                    changed: s.querySelectorAll('section.pass').length})),
+                summary: folded.querySelector('summary').textContent, open: folded.open,
+                visible: [...document.querySelectorAll('section.module')].filter(s => s.checkVisibility()).length};""")
+    sections = order["sections"]
+    assert sections[0]["title"].endswith("jit_step (xla_passes)") and sections[0]["changed"] >= 1
+    assert not sections[0]["folded"] and all(s["folded"] and s["changed"] == 0 for s in sections[1:])
+    assert order["summary"].startswith(f"{len(sections) - 1} unchanged modules: ") and "jit__normal" in order["summary"]
+    assert not order["open"] and order["visible"] == 1
+
+    # Every graph box of the step opens scrolled to what changed: the first marked node (the script
+    # centres on all of them when they fit) lies inside the box's visible part, and for some box only
+    # because it was scrolled there.
+    opened = browser.execute_script(NODE_AND_BOX_GEOMETRY + """
+        return [...document.querySelectorAll('section.pass .side')].map(box =>
+            box.querySelector('g.node.added, g.node.removed, g.node.changed')).filter(n => n).map(geometry);""")
+    assert len(opened) >= 2
+    for geometry in opened:
+        assert _inside(geometry), geometry
+    assert any(any(g["scrolled"]) for g in opened), opened
+    assert all(sum(g["scrolled"]) == 0 for g in opened if not any(g["scrollable"]))
+
+    # The side panel lists the combined all-reduce: its link outlines the node (CSS :target) in view,
+    # its diff link opens the text diff at its line.
+    combined, replaced, _ = _combined_replaced_simplified(collective_fusion_dump)
+    item = browser.find_element("css selector", f'aside.changes li.added[data-name="{combined[0]}"]')
+    item.find_element("link text", "after").click()
+    target = browser.execute_script(NODE_AND_BOX_GEOMETRY + """
+        const node = document.querySelector(':target');
+        return node && Object.assign(geometry(node), {classes: node.getAttribute('class')});""")
+    assert target["name"] == combined[0] and "added" in target["classes"].split() and _inside(target), target
+    item.find_element("link text", "diff").click()
+    line = browser.execute_script("""const line = document.querySelector(':target');
+        return [line.textContent, line.closest('details').open];""")
+    assert line[0].startswith("+") and f"{combined[0]} = " in line[0] and line[1], line
+    removed = browser.find_element("css selector", f'aside.changes li.removed[data-name="{replaced[0]}"]')
+    assert [a.text for a in removed.find_elements("css selector", "a")] == ["before", "diff"]
+
+    assert browser.execute_script("return performance.getEntriesByType('resource').length") == 0
+    assert [e for e in browser.get_log("browser") if e["level"] == "SEVERE"] == []
