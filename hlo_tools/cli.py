@@ -7,6 +7,8 @@ module exposes ``register(subparsers)``, which adds its subparser and sets the
 Every failure is reported as a single line on stderr,
 ``hlo-tools: error: <file>:<line>:<col>: <message>``, with exit status 1
 (argparse's usage errors keep their status 2); no traceback is ever shown.
+SIGTERM and SIGHUP end a command as Ctrl-C does (child processes stopped,
+temporary files removed), with exit status 128 + the signal's number.
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ import errno
 import importlib
 import importlib.metadata
 import os
+import signal
 import sys
 import tempfile
+import threading
+from contextlib import contextmanager
 
 import hlo_tools
 
@@ -31,6 +36,7 @@ COMMAND_MODULES = (
     "hlo_tools.diff_command",
     "hlo_tools.graph_command",
     "hlo_tools.report_command",
+    "hlo_tools.cost_command",
 )
 
 
@@ -50,6 +56,42 @@ class CommandError(Exception):
         return f"{location}: {self.message}" if location else self.message
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP arrived: unwinds like Ctrl-C, so that ``finally`` blocks stop child
+    processes and remove temporary files and directories on the way out."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+# Signals that end a command the way Ctrl-C (SIGINT, KeyboardInterrupt) does.
+TERMINATION_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _raise_terminated(signum, _frame):
+    raise Terminated(signum)
+
+
+@contextmanager
+def termination_unwinds():
+    """While inside: SIGTERM and SIGHUP raise :class:`Terminated` in the main thread.
+
+    Only signals left at their default action are taken over (one ignored under ``nohup``
+    stays ignored, a caller's own handler stays); the previous handlers come back on exit.
+    """
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in TERMINATION_SIGNALS:
+            if signal.getsignal(signum) is signal.SIG_DFL:
+                previous[signum] = signal.signal(signum, _raise_terminated)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 def one_line(message: str) -> str:
     """The first non-blank line of ``message`` (error output is one line per failure)."""
     for line in message.splitlines():
@@ -63,12 +105,13 @@ def _display_name(path: str) -> str:
 
 
 def read_text(path: str) -> str:
-    """The exact text of ``path`` (``-`` is stdin); line endings are kept as they are."""
+    """The exact text of ``path`` (``-`` is stdin); line endings are kept as they are, and a
+    UTF-8 byte order mark at the start is dropped."""
     try:
         if path == "-":
-            return sys.stdin.buffer.read().decode("utf-8")
+            return sys.stdin.buffer.read().decode("utf-8").removeprefix("\ufeff")
         with open(path, encoding="utf-8", newline="") as f:
-            return f.read()
+            return f.read().removeprefix("\ufeff")  # a byte order mark (Windows editors) is no text
     except UnicodeDecodeError as exc:
         raise CommandError(f"not UTF-8 text ({exc.reason} at byte {exc.start})",
                            _display_name(path)) from exc
@@ -186,7 +229,8 @@ def report_failures(prog: str, body, expected_errors: tuple[type[Exception], ...
         return 1
 
     try:
-        return body()
+        with termination_unwinds():
+            return body()
     except CommandError as exc:
         return error(str(exc))
     except (hlo_tools.HloParseError, hlo_tools.HloVerifyError) as exc:
@@ -202,6 +246,9 @@ def report_failures(prog: str, body, expected_errors: tuple[type[Exception], ...
     except OSError as exc:
         where = f"{exc.filename}: " if exc.filename else ""
         return error(f"{where}{exc.strerror or one_line(str(exc))}")
+    except Terminated as exc:
+        error(f"terminated by {signal.Signals(exc.signum).name}")
+        return 128 + exc.signum  # as a shell reports a command a signal ended
     except KeyboardInterrupt:
         return error("interrupted")
     except Exception as exc:  # the last resort: still one line, never a traceback

@@ -47,6 +47,7 @@ IR never loads them and the JAX path works where TensorFlow is not installed.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
@@ -157,21 +158,92 @@ def _claim(source: str, target: str) -> None:
 def _place_group(entries: Sequence[tuple[str, str]], out_dir: str, number: int) -> list[str]:
     """Put one module's entries ``(staged path, rest of the name)`` under one number.
 
-    ``number`` is tried first; when one of its names is taken (another dump got
-    there), the whole group moves on to the next free number.
+    ``number`` is tried first; when a file already has that number (another dump got
+    there), the whole group moves on to the number after the highest one in ``out_dir``.
+    The choice is made under a lock on the directory, which the JAX hook's and xla-opt's
+    dumps (:func:`write_numbered`) take too.
     """
-    while True:
-        placed = []
-        try:
-            for source, rest in entries:
-                target = os.path.join(out_dir, f"module_{number:04d}.{rest}")
-                _claim(source, target)
-                placed.append(target)
-            return placed
-        except FileExistsError:
-            for target in placed:
-                _remove(target)
-            number = max(number + 1, next_module_number(out_dir))
+    with _directory_locked(out_dir):
+        while True:
+            taken = _numbers_in(out_dir)
+            if number in taken:
+                number = max(taken) + 1
+            placed = []
+            try:
+                for source, rest in entries:
+                    target = os.path.join(out_dir, f"module_{number:04d}.{rest}")
+                    _claim(source, target)
+                    placed.append(target)
+                return placed
+            except FileExistsError:  # a writer that takes no lock got there
+                for target in placed:
+                    _remove(target)
+                number = max(number + 1, next_module_number(out_dir))
+
+
+def _staged_text(out_dir: str, text: str) -> str:
+    """A private file in ``out_dir`` holding ``text``, readable as a new file of the umask is."""
+    fd, staged = tempfile.mkstemp(prefix=_STAGING_PREFIX, suffix=".tmp", dir=out_dir)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(staged, 0o666 & ~umask)
+    except BaseException:
+        os.unlink(staged)
+        raise
+    return staged
+
+
+def write_numbered(out_dir: str, number: int, rest: str, text: str) -> int:
+    """Write ``text`` to ``out_dir/module_NNNN.<rest>`` without replacing any file; returns NNNN.
+
+    ``number`` is tried first; when a file in ``out_dir`` already has that number (another
+    process dumping into the same directory, an earlier run's file), the number after the
+    highest one there is taken. Writers choose under a lock on the directory, so two never
+    take one number. The file appears whole or not at all (written aside, then hard-linked).
+    """
+    staged = _staged_text(out_dir, text)
+    try:
+        with _directory_locked(out_dir):
+            while True:
+                taken = _numbers_in(out_dir)
+                if number in taken:
+                    number = max(taken) + 1
+                try:
+                    os.link(staged, os.path.join(out_dir, f"module_{number:04d}.{rest}"))
+                    return number
+                except FileExistsError:  # a writer that takes no lock got there
+                    number += 1
+    finally:
+        os.unlink(staged)
+
+
+def _numbers_in(out_dir: str) -> set[int]:
+    """The ``module_NNNN.`` numbers of the files in ``out_dir``."""
+    return {int(m.group(1)) for m in map(_NUMBERED.fullmatch, os.listdir(out_dir)) if m}
+
+
+@contextmanager
+def _directory_locked(directory: str) -> Iterator[None]:
+    """An exclusive ``flock`` on ``directory`` while inside: writers of numbered files (threads
+    and processes) choose a free number and take it one at a time."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def write_new(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` whole, as a new file: FileExistsError when ``path`` exists."""
+    staged = _staged_text(os.path.dirname(os.path.abspath(path)), text)
+    try:
+        os.link(staged, path)
+    finally:
+        os.unlink(staged)
 
 
 def _remove(target: str) -> None:
@@ -366,10 +438,29 @@ def dump_script(argv: Sequence[str], out_dir: str, env: Mapping[str, str] | None
     return ScriptDump(files, returncode)
 
 
+# Seconds a script has to end after SIGTERM or SIGHUP was passed on to it, before it is killed.
+TERMINATION_GRACE_SECONDS = 10
+
+
 def _wait(child: subprocess.Popen) -> int:
-    """The child's exit status; on Ctrl-C, let the child (which got it too) finish, then re-raise."""
+    """The child's exit status; on Ctrl-C, let the child (which got it too) finish, then re-raise.
+
+    SIGTERM or SIGHUP sent to this process alone (``hlo_tools.cli.Terminated``, which carries
+    the signal's number) is passed on to the child, which gets a grace period to end (and
+    then is killed), so that no script outlives the command.
+    """
     try:
         return child.wait()
-    except KeyboardInterrupt:
-        child.wait()
+    except KeyboardInterrupt as exc:
+        signum = getattr(exc, "signum", None)
+        if signum is None:
+            child.wait()
+            raise
+        if child.poll() is None:
+            child.send_signal(signum)
+        try:
+            child.wait(timeout=TERMINATION_GRACE_SECONDS)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
         raise

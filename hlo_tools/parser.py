@@ -24,6 +24,7 @@ from .literal import Literal
 from .opcodes import OPCODES, is_opcode
 from .shape import DTYPE_BITS, UNBOUNDED, Layout, Shape
 
+BYTE_ORDER_MARK = "\ufeff"  # dropped at the start of the text
 MAX_NESTING = 256  # deeper tuples/brackets than any real module; XLA's own parser crashes near 10k
 
 _WS = re.compile(r"(?:\s+|/\*.*?\*/|//[^\n]*)*", re.S)
@@ -99,6 +100,7 @@ def parse_module(text: str, *, lazy_bodies: bool = False) -> HloModule:
                 raise HloParseError(f"input is not UTF-8 text (byte {e.start})", 1, 1) from None
         else:
             raise TypeError(f"parse_module expects str, got {type(text).__name__}")
+    text = text.removeprefix(BYTE_ORDER_MARK)  # editors on Windows start UTF-8 files with one
     parser = _Parser(text)
     try:
         with garbage_collection_paused():  # a parse allocates many long-lived objects

@@ -48,6 +48,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="input arrays arg0..argK: global arrays in partition mode, a leading "
                         "axis of size N in replica mode (default: seeded random integers)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    p.add_argument("--replicated", metavar="ARG,...", type=_parameter_list, action="extend",
+                   default=[],
+                   help="entry parameters (numbers or names) that hold the same value on every "
+                        "device, as a pmap program's weights do: their random inputs are device "
+                        "0's value everywhere (with --inputs, they must already be so)")
     p.add_argument("--output", metavar="FILE.npz",
                    help="write the outputs out0..outM (tuples flattened; global arrays in "
                         "partition mode, stacked in replica mode)")
@@ -87,6 +92,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _parameter_list(text: str) -> list[str]:
+    """``0,w`` -> ``["0", "w"]``: entry parameter numbers or names."""
+    items = [item.strip() for item in text.split(",")]
+    if not all(items):
+        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of entry "
+                                         f"parameter numbers or names")
+    return items
+
+
+def _is_special_file(path: str) -> bool:
+    """Whether ``path`` exists and is not a regular file (a device such as /dev/null, a FIFO)."""
+    return os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path)
+
+
 def _check_file(path: str | None) -> None:
     if path is not None and not os.path.isfile(path):
         raise cli.CommandError("No such file or directory" if not os.path.exists(path)
@@ -116,12 +135,17 @@ def run(args: argparse.Namespace) -> int:
         if path is not None and any(cli._same_file(path, given) for given in (args.module, args.reference, args.inputs)
                                     if given is not None):
             raise cli.CommandError(f"refusing to overwrite an input file with --{flag}", path)
+    if (args.output is not None and args.save_inputs is not None
+            and cli._same_file(args.output, args.save_inputs)
+            and not _is_special_file(args.output)):  # /dev/null twice is fine
+        raise cli.CommandError("--output and --save_inputs name the same file (one would "
+                               "replace the other)", args.save_inputs)
     progress = args.progress or (args.iterations > 1 and _stderr_is_tty())
     module = runner.ModuleRef(path=args.module, input_format=args.input_format)
     common = dict(seed=args.seed, iterations=args.iterations, platform=args.platform,
                   progress=progress, isolate=not args.in_process, timeout=args.timeout,
                   num_processes=args.num_processes, process_id=args.process_id,
-                  coordinator=args.coordinator)
+                  coordinator=args.coordinator, replicated_parameters=args.replicated)
     try:
         if args.reference is not None:
             reference = runner.ModuleRef(path=args.reference, input_format=args.input_format)

@@ -56,6 +56,7 @@ import dataclasses
 import io
 import ipaddress
 import json
+import math
 import os
 import pathlib
 import re
@@ -238,7 +239,7 @@ class ModuleRef:
         if fmt == "pb":
             return data
         try:
-            return data.decode("utf-8")
+            return data.decode("utf-8").removeprefix("\ufeff")  # a byte order mark is no HLO
         except UnicodeDecodeError as exc:
             raise RunError(f"{self.path}: not UTF-8 text ({exc.reason} at byte {exc.start}); "
                            f"use --input_format pb for a serialized HloModuleProto") from exc
@@ -531,10 +532,47 @@ def random_inputs(shapes: Sequence[tuple[tuple[int, ...], object]], seed: int = 
     return arrays
 
 
+def memory_bytes() -> int | None:
+    """This machine's physical memory in bytes (None where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def byte_count(count: int) -> str:
+    """``4000000000000`` -> ``4000000000000 bytes (3.6 TiB)``."""
+    size, unit = float(count), "bytes"
+    for bigger in ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        if size < 1024:
+            break
+        size, unit = size / 1024, bigger
+    return f"{count} bytes" + (f" ({size:.1f} {unit})" if unit != "bytes" else "")
+
+
+def check_memory_for(signature: Sequence[tuple[tuple[int, ...], object]], what: str) -> None:
+    """A RunError naming the parameter when the global arrays of ``signature`` cannot fit in
+    this machine's memory (checked before any is allocated)."""
+    limit = memory_bytes()
+    if limit is None:
+        return
+    sizes = [math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in signature]
+    for number, ((shape, dtype), size) in enumerate(zip(signature, sizes)):
+        if size > limit:
+            raise RunError(f"{what}: parameter {number} ({shape_str(shape, dtype)}) takes "
+                           f"{byte_count(size)}, more than this machine's memory "
+                           f"({byte_count(limit)})")
+    if sum(sizes) > limit:
+        raise RunError(f"{what}: the inputs take {byte_count(sum(sizes))} together, more than "
+                       f"this machine's memory ({byte_count(limit)})")
+
+
 def load_inputs(path: str) -> list[np.ndarray]:
     """The arrays ``arg0..argK`` of an ``.npz`` file, in order."""
     if os.path.isfile(path) and not zipfile.is_zipfile(path):
         raise RunError(f"{path}: not an .npz file (expected arrays arg0..argK saved with numpy.savez)")
+    if os.path.isfile(path):
+        _check_npz_headers(path)
     try:
         with np.load(path, allow_pickle=False) as data:
             arrays = {k: data[k] for k in data.files}
@@ -551,13 +589,87 @@ def load_inputs(path: str) -> list[np.ndarray]:
     return [arrays[n] for n in names]
 
 
-def save_arrays(path: str, arrays: Sequence[np.ndarray], prefix: str = "out") -> None:
-    """Write ``arrays`` to ``path`` (.npz) as ``{prefix}0..{prefix}M``."""
+def _check_npz_headers(path: str) -> None:
+    """Read the shape and dtype of every array of an ``.npz`` from its ``.npy`` header, before
+    loading any: an array whose data the file does not hold (a small, compressed file that would
+    inflate to more than it says, a truncated one), an object array, or arrays that do not fit in
+    this machine's memory are refused with one line."""
+    total, limit = 0, memory_bytes()
     try:
-        with open(path, "wb") as f:
-            np.savez(f, **{f"{prefix}{i}": a for i, a in enumerate(arrays)})
+        with zipfile.ZipFile(path) as archive:
+            for member in archive.infolist():
+                name = member.filename.removesuffix(".npy")
+                with archive.open(member) as f:
+                    version = np.lib.format.read_magic(f)
+                    if version == (1, 0):
+                        shape, _, dtype = np.lib.format.read_array_header_1_0(f)
+                    elif version == (2, 0):
+                        shape, _, dtype = np.lib.format.read_array_header_2_0(f)
+                    else:
+                        shape, _, dtype = np.lib.format._read_array_header(f, version)
+                    header_size = f.tell()
+                if dtype.hasobject:
+                    raise RunError(f"{path}: array '{name}' holds Python objects (dtype {dtype}); "
+                                   f"inputs are numeric arrays")
+                size = math.prod(shape) * dtype.itemsize
+                if size > member.file_size - header_size:
+                    raise RunError(f"{path}: array '{name}' says it is {shape_str(shape, dtype)} "
+                                   f"({byte_count(size)}), but the file holds "
+                                   f"{byte_count(max(member.file_size - header_size, 0))} of data for it")
+                total += size
+                if limit is not None and total > limit:
+                    raise RunError(f"{path}: array '{name}' ({shape_str(shape, dtype)}, "
+                                   f"{byte_count(size)}) brings the inputs to {byte_count(total)}, "
+                                   f"more than this machine's memory ({byte_count(limit)})")
+    except RunError:
+        raise
     except OSError as exc:
         raise RunError(f"{path}: {exc.strerror or exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - zipfile/format errors: one line
+        raise RunError(f"{path}: not a readable .npz file ({type(exc).__name__}: "
+                       f"{first_line(str(exc))})") from exc
+
+
+def save_arrays(path: str, arrays: Sequence[np.ndarray], prefix: str = "out") -> None:
+    """Write ``arrays`` to ``path`` (.npz) as ``{prefix}0..{prefix}M``.
+
+    A regular file is written atomically (a temporary file in its directory, then a
+    rename), so that a reader never sees half of it and an interrupted write leaves
+    nothing behind; a path that is not a regular file (``/dev/null``, a FIFO) gets the
+    archive written in place, since renaming over it would replace the device.
+    """
+    named = {f"{prefix}{i}": a for i, a in enumerate(arrays)}
+    try:
+        if os.path.exists(path) and not os.path.isfile(path):
+            if os.path.isdir(path):
+                raise RunError(f"{path}: Is a directory")
+            archive = io.BytesIO()  # zipfile seeks back, which a device or FIFO cannot do
+            np.savez(archive, **named)
+            with open(path, "wb") as f:
+                f.write(archive.getbuffer())
+            return
+        directory = os.path.dirname(os.path.abspath(path))
+        fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=".hlo-tools-", suffix=".npz.tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, **named)
+            os.chmod(tmp_path, _new_file_mode(path))
+            os.replace(tmp_path, path)
+        except BaseException:
+            os.unlink(tmp_path)
+            raise
+    except OSError as exc:
+        raise RunError(f"{path}: {exc.strerror or exc}") from exc
+
+
+def _new_file_mode(path: str) -> int:
+    """Permissions for a file written over ``path``: those it has, else the umask's default."""
+    try:
+        return os.stat(path).st_mode & 0o7777
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
 
 
 def _check_inputs(inputs: Sequence[np.ndarray], expected, what: str) -> list[np.ndarray]:
@@ -817,6 +929,8 @@ class _Job:
     coordinator: str | None = None
     num_processes: int = 1
     process_id: int = 0
+    # entry parameters (numbers or names) that hold the same value on every device
+    replicated: list[str] = dataclasses.field(default_factory=list)
 
 
 def _validate_counts(num_replicas, num_partitions, what: str):
@@ -1076,6 +1190,113 @@ def first_line(message: str) -> str:
     return lines[0]
 
 
+def _entry_parameter_names(printed: str) -> dict[str, int]:
+    """The entry parameters of XLA's print, by instruction name."""
+    names = {}
+    for line in printed.split("\nENTRY ", 1)[-1].splitlines()[1:]:
+        stripped = line.strip()
+        if stripped == "}":
+            break
+        match = _PARAMETER_LINE.match(stripped)
+        if match:
+            name = stripped.removeprefix("ROOT ").split("=", 1)[0].strip().lstrip("%")
+            names[name] = int(match.group(1))
+    return names
+
+
+def _replicated_parameter_numbers(loaded: LoadedModule, wanted: Sequence[str]) -> list[int]:
+    """Entry parameter numbers for `wanted` (numbers or names of entry parameters)."""
+    names = _entry_parameter_names(loaded.printed)
+    count = len(loaded.params)
+    numbers = []
+    for item in wanted:
+        if item.isdigit():
+            number = int(item)
+            if number >= count:
+                raise RunError(f"{loaded.spec.ref.name}: replicated parameter {number} does not "
+                               f"exist (the entry has {count} parameter{'s' if count != 1 else ''})")
+        elif item in names:
+            number = names[item]
+        else:
+            known = ", ".join(sorted(names, key=names.get)) or "none"
+            raise RunError(f"{loaded.spec.ref.name}: replicated parameter '{item}' is neither an "
+                           f"entry parameter number nor name (the entry's parameters: {known})")
+        numbers.append(number)
+    return numbers
+
+
+def _replicate_parameters(loaded: LoadedModule, inputs: list[np.ndarray], wanted: Sequence[str],
+                          given: bool) -> list[np.ndarray]:
+    """`inputs` with the `wanted` parameters holding device 0's value on every device.
+
+    Generated inputs are changed; `given` inputs must already be so (else a RunError).
+    """
+    numbers = _replicated_parameter_numbers(loaded, wanted)
+    if loaded.mode == "partition" and loaded.partitioning == "spmd":
+        raise RunError(f"{loaded.spec.ref.name}: replicated parameters apply to replica programs "
+                       f"and per-device modules; in a module XLA partitions, its shardings say "
+                       f"what each device holds")
+    placements = loaded.placements()[0] if loaded.mode == "partition" else None
+    inputs = list(inputs)
+    for number in numbers:
+        array = inputs[number]
+        if loaded.mode == "replica":
+            same = np.ascontiguousarray(np.broadcast_to(array[:1], array.shape))
+        elif loaded.mode == "partition":
+            placement = placements[number]
+            first_piece = _split(array, placement)[0]
+            same = _assemble(dict.fromkeys(range(loaded.num_partitions), first_piece), placement,
+                             array.dtype, "", [])
+        else:
+            continue  # one device: nothing to make equal
+        if given and not _same_bits(same, array):
+            raise RunError(f"input arg{number} holds other values on other devices than on "
+                           f"device 0, but parameter {number} is listed as replicated")
+        inputs[number] = same
+    return inputs
+
+
+def unwritten_gather_warnings(printed: str, num_devices: int, name: str) -> list[str]:
+    """Notes on the all-gathers of a one-device run whose output is bigger than their operand.
+
+    On one device every replica group has one member, so an all-gather's output is its operand;
+    XLA's verifier skips its shard-count check then (a module's counts default to 1), and the
+    rest of the output is memory nothing wrote: it differs from run to run.
+    """
+    if num_devices != 1 or "all-gather" not in printed:
+        return []
+    import hlo_tools  # noqa: PLC0415
+    from hlo_tools.shape_inference import attr_ints  # noqa: PLC0415
+
+    try:
+        module = hlo_tools.parse_module(printed)
+    except hlo_tools.HloParseError:
+        return []
+    notes = []
+    for computation in module.computations:
+        for instr in computation.instructions:
+            if instr.opcode not in ("all-gather", "all-gather-start"):
+                continue
+            out = instr.shape.tuple_shapes[1] if instr.opcode == "all-gather-start" else instr.shape
+            outs = [out] if len(instr.operands) == 1 else list(out.tuple_shapes or ())
+            dim = (attr_ints(instr.attrs, "dimensions") or (None,))[0]
+            for operand, result in zip(instr.operands, outs):
+                if dim is None or dim >= min(operand.shape.rank, result.rank):
+                    continue
+                if result.dims[dim] != operand.shape.dims[dim]:
+                    notes.append(f"{name}: {instr.name}: an all-gather on one device gathers "
+                                 f"{_shape_text(operand.shape)} into {_shape_text(result)}; only the "
+                                 f"first {operand.shape.dims[dim]} of {result.dims[dim]} along "
+                                 f"dimension {dim} are written, the rest is uninitialized memory "
+                                 f"(XLA checks the shard count only for more than one device)")
+                    break
+    return notes
+
+
+def _shape_text(shape) -> str:
+    return shape.to_text(print_layout=False)
+
+
 def _per_device_inputs(loaded: LoadedModule, placements, inputs) -> list[list[np.ndarray]]:
     if loaded.mode == "partition":
         return [_split(x, p) for x, p in zip(inputs, placements)]
@@ -1146,8 +1367,12 @@ def _execute_job(job: _Job, status=lambda _: None, progress_stream=None) -> list
         signature = m.global_signature()
         name = m.spec.ref.name
         if inputs is None:
+            if job.inputs is None:
+                check_memory_for(signature, name)
             inputs = (_check_inputs(job.inputs, signature, name) if job.inputs is not None
                       else random_inputs(signature, job.seed))
+            if job.replicated:
+                inputs = _replicate_parameters(m, inputs, job.replicated, given=job.inputs is not None)
         else:
             inputs = _check_inputs(inputs, signature, f"{name} (the reference)")
 
@@ -1180,7 +1405,7 @@ def _execute_job(job: _Job, status=lambda _: None, progress_stream=None) -> list
             status(f"gathering the outputs of {name}")
             pieces = [xla_bridge.gather_from_processes(p, run_devices, process_index) for p in pieces]
         if process_index == 0:
-            warnings: list[str] = []
+            warnings: list[str] = unwritten_gather_warnings(m.printed, m.num_devices, name)
             outputs = _assemble_outputs(m, out_places, pieces, warnings)
             results.append(RunResult(outputs, list(inputs), m.mode, m.num_replicas,
                                      m.num_partitions, m.partitioning, seconds, warnings,
@@ -1219,7 +1444,7 @@ def _job_to_dir(job: _Job, directory: str) -> dict:
         inputs_path = os.path.join(directory, "inputs.npz")
         np.savez(inputs_path, **{f"arg{i}": np.asarray(a) for i, a in enumerate(job.inputs)})
     return {"runs": runs, "inputs": inputs_path, "seed": job.seed, "iterations": job.iterations,
-            "platform": job.platform, "progress": job.progress}
+            "platform": job.platform, "progress": job.progress, "replicated": list(job.replicated)}
 
 
 def _job_from_dict(d: dict) -> _Job:
@@ -1231,7 +1456,8 @@ def _job_from_dict(d: dict) -> _Job:
                              entry["partition_mode"]))
     inputs = load_inputs(d["inputs"]) if d.get("inputs") else None
     return _Job(runs, inputs, d["seed"], d["iterations"], d["platform"], d["progress"],
-                d.get("coordinator"), d.get("num_processes", 1), d.get("process_id", 0))
+                d.get("coordinator"), d.get("num_processes", 1), d.get("process_id", 0),
+                list(d.get("replicated", [])))
 
 
 def _write_results(results: list[RunResult], directory: str) -> None:
@@ -1550,7 +1776,7 @@ def _run_processes(job: _Job, timeout: float | None) -> list[RunResult]:
 
 
 def _make_job(modules, inputs, seed, iterations, platform, progress,
-              num_processes, process_id, coordinator) -> _Job:
+              num_processes, process_id, coordinator, replicated_parameters=()) -> _Job:
     if not isinstance(iterations, int) or iterations < 1:
         raise RunError(f"iterations must be a positive integer, not {iterations}")
     if not isinstance(num_processes, int) or num_processes < 1:
@@ -1572,9 +1798,13 @@ def _make_job(modules, inputs, seed, iterations, platform, progress,
         specs.append(_RunSpec(ref, replicas, partitions, mode))
     if isinstance(inputs, (str, os.PathLike)):
         inputs = load_inputs(os.fspath(inputs))
+    replicated = [str(p).strip() for p in replicated_parameters]
+    if any(not p for p in replicated):
+        raise RunError("an empty name in the replicated parameters (give entry parameter numbers "
+                       "or names, e.g. 0,w)")
     return _Job(specs, None if inputs is None else [np.asarray(a) for a in inputs], int(seed),
                 iterations, platform, bool(progress), coordinator, num_processes,
-                process_id if process_id is not None else 0)
+                process_id if process_id is not None else 0, replicated)
 
 
 def _run_job(job: _Job, isolate: bool, timeout, process_id, num_processes) -> list[RunResult] | None:
@@ -1600,7 +1830,8 @@ def run_module(module, inputs=None, *, num_replicas: int | None = None,
                seed: int = 0, iterations: int = 1, platform: str = "cpu",
                progress: bool = False, isolate: bool = False, timeout: float | None = None,
                num_processes: int = 1, process_id: int | None = None,
-               coordinator: str | None = None) -> RunResult | None:
+               coordinator: str | None = None,
+               replicated_parameters: Sequence[int | str] = ()) -> RunResult | None:
     """Compile ``module`` with XLA and run it.
 
     Args:
@@ -1621,12 +1852,16 @@ def run_module(module, inputs=None, *, num_replicas: int | None = None,
       process_id, coordinator: be one process of a run started by hand
         (``coordinator`` is process 0's loopback HOST:PORT); returns None on
         processes other than 0.
+      replicated_parameters: entry parameters (numbers or names) that hold the same
+        value on every device, as a pmap program's weights do: their random inputs are
+        device 0's value everywhere (given inputs must already be so).
 
     Raises:
       RunError: anything that kept the module from running, as one line.
     """
     job = _make_job([(module, num_replicas, num_partitions, partition_mode)], inputs, seed,
-                    iterations, platform, progress, num_processes, process_id, coordinator)
+                    iterations, platform, progress, num_processes, process_id, coordinator,
+                    replicated_parameters)
     results = _run_job(job, isolate, timeout, process_id, num_processes)
     return None if results is None else results[0]
 
@@ -1642,6 +1877,7 @@ def compare_modules(module, reference, inputs=None, *, num_replicas: int | None 
                     progress: bool = False, isolate: bool = False, timeout: float | None = None,
                     num_processes: int = 1, process_id: int | None = None,
                     coordinator: str | None = None,
+                    replicated_parameters: Sequence[int | str] = (),
                     ) -> tuple[RunResult, RunResult, Comparison] | None:
     """Run ``module`` and ``reference`` on the same global inputs and compare every output.
 
@@ -1657,7 +1893,7 @@ def compare_modules(module, reference, inputs=None, *, num_replicas: int | None 
                      (reference, reference_num_replicas, reference_num_partitions,
                       reference_partition_mode)],
                     inputs, seed, iterations, platform, progress, num_processes, process_id,
-                    coordinator)
+                    coordinator, replicated_parameters)
     results = _run_job(job, isolate, timeout, process_id, num_processes)
     if results is None:
         return None

@@ -160,6 +160,9 @@ _MIXED_PRECISION_OK = frozenset({
 })
 
 
+_INT64_MAX = 2**63 - 1
+
+
 def verify_module(module) -> None:
     """Raise HloVerifyError on the first thing XLA's parser or HloVerifier would refuse in `module`."""
     _Verifier(module).run()
@@ -349,6 +352,20 @@ class _Verifier:
                         self.callers.setdefault(callee, []).append(instr)
 
     # -- 2. what XLA's parser refuses -----------------------------------------------------------------------
+    def check_shape_size(self, instr):
+        """XLA keeps dimensions and byte sizes in int64 (its parser and ShapeUtil::ValidateShape
+        refuse larger ones): so do we, before anything multiplies them out."""
+        for _, leaf in instr.shape.leaves():
+            if not leaf.is_array:
+                continue
+            for number, size in enumerate(leaf.dims):
+                if size > _INT64_MAX:
+                    self.fail(instr, f"dimension {number} of shape {_txt(leaf)} is {size}, more than "
+                                     f"int64 holds ({_INT64_MAX})")
+            if leaf.byte_size > _INT64_MAX:
+                self.fail(instr, f"shape {_txt(leaf)} takes {leaf.byte_size} bytes, more than int64 "
+                                 f"holds ({_INT64_MAX})")
+
     def check_parsed_form(self, instr):
         opcode = instr.opcode
         attrs = instr.attrs
@@ -378,6 +395,7 @@ class _Verifier:
         self.check_enums(instr)
         self.check_arity(instr)
         self.check_typed_values(instr)
+        self.check_shape_size(instr)
         handler = _PARSE_CHECKS.get(opcode)
         if handler is not None:
             handler(self, instr)

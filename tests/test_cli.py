@@ -227,3 +227,41 @@ def test_closed_stdout_pipe_ends_quietly(monkeypatch, capsys, module_file, tmp_p
     assert capsys.readouterr().err == ""
     assert os.path.samefile(f"/proc/self/fd/{stdout.fd}", os.devnull)  # later flushes go nowhere
     os.close(stdout.fd)
+
+
+def test_termination_signals_unwind_like_ctrl_c(tmp_path, monkeypatch, capsys):
+    import signal
+
+    def terminated_while_writing(*_):
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler raises cli.Terminated here
+
+    def body() -> int:
+        monkeypatch.setattr(os, "replace", terminated_while_writing)
+        cli.write_atomically(str(tmp_path / "out.hlo"), MODULE)
+        return 0
+
+    before = signal.getsignal(signal.SIGTERM)
+    assert cli.report_failures("hlo-tools", body) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err == "hlo-tools: error: terminated by SIGTERM\n"
+    assert os.listdir(tmp_path) == []  # the temporary file is gone, and no out.hlo appeared
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is put back
+
+
+def test_an_ignored_hangup_stays_ignored(monkeypatch):
+    import signal
+
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as under nohup
+    try:
+        def body() -> int:
+            os.kill(os.getpid(), signal.SIGHUP)
+            return 0
+        assert cli.report_failures("hlo-tools", body) == 0
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+
+
+def test_a_byte_order_mark_is_dropped(tmp_path):
+    path = tmp_path / "bom.hlo"
+    path.write_bytes(b"\xef\xbb\xbf" + MODULE.encode())
+    assert cli.read_text(str(path)) == MODULE
+    assert hlo_tools.parse_module("\ufeff" + MODULE).name == "cli_test"

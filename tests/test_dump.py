@@ -278,3 +278,36 @@ def test_every_error_is_one_line(files, argv, message):
     assert ERROR_LINE.fullmatch(err), f"not exactly one error line: {err!r}"
     assert re.search(message, err[len("hlo-tools: error: "):]), err
     assert not (files / "out").exists() or not os.listdir(files / "out")
+
+
+# A script that says it runs, writes a file as XLA's dump would, then waits to be stopped.
+WAITING_SCRIPT = """import os, sys, time
+dump_dir = os.environ["XLA_FLAGS"].split('--xla_dump_to="')[1].split('"')[0]
+with open(os.path.join(dump_dir, "module_0000.waiting.before_optimizations.txt"), "w") as f:
+    f.write("HloModule waiting\\n")
+print(os.getpid(), flush=True)
+time.sleep(120)
+"""
+
+
+def test_terminating_a_script_dump_stops_the_script_and_keeps_its_files(tmp_path):
+    import signal
+    import time
+
+    (tmp_path / "waiting.py").write_text(WAITING_SCRIPT)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.Popen([sys.executable, "-m", "hlo_tools", "dump", "-o", "dumps", "--",
+                             sys.executable, "waiting.py"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    script_pid = int(proc.stdout.readline())
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert err == "hlo-tools: error: terminated by SIGTERM\n"
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{script_pid}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{script_pid}"), "the script outlived the command"
+    # the staging directory is gone; what the script wrote was moved into place
+    assert os.listdir(tmp_path / "dumps") == ["module_0000.waiting.before_optimizations.txt"]

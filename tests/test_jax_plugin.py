@@ -129,12 +129,29 @@ def test_a_bad_xla_passes_value_warns_once_naming_the_valid_passes_and_the_progr
     assert warnings[0].endswith("no passes enabled")
 
 
-def test_a_bad_xla_passes_value_with_strict_fails_every_compile():
-    result = run_worker("program", env={"XLA_PASSES": "no-such-pass", "XLA_PASSES_STRICT": "1"}, check=False)
-    assert result.returncode != 0
-    assert "Jax plugin configuration error" in result.stderr  # JAX logs what initialize() raised ...
-    assert re.search(r"JaxRuntimeError: .*\n(.*\n)*PassError: XLA_PASSES='no-such-pass'.*unknown pass "
-                     r".*compiles fail because XLA_PASSES_STRICT is set", result.stderr)  # ... then the jit fails
+STRICT_STOP = re.compile(r"xla_passes: error: [^\n]+; the program stops because XLA_PASSES_STRICT is set "
+                         r"\(fix the value, or unset XLA_PASSES_STRICT to run without the passes\)\n")
+
+
+@pytest.mark.parametrize("environ, message", [
+    ({"XLA_PASSES": "no-such-pass", "XLA_PASSES_STRICT": "1"}, "XLA_PASSES='no-such-pass': .*unknown pass"),
+    ({"XLA_PASSES": "fixed-point(" * 500 + "dce" + ")" * 500, "XLA_PASSES_STRICT": "yes"},
+     r"XLA_PASSES='fixed-point\(.*fixed-point groups nest more than 16 deep"),
+    ({"XLA_PASSES": "dce", "XLA_PASSES_STRICT": "maybe"},
+     "XLA_PASSES_STRICT='maybe' is not a yes/no value"),
+], ids=["unknown pass", "500-deep fixed-point", "strict=maybe"])
+def test_a_bad_setting_with_strict_stops_the_program_with_one_line(environ, message):
+    result = run_worker("program", env=environ, check=False)
+    assert result.returncode == 1
+    assert STRICT_STOP.fullmatch(result.stderr), result.stderr[-2000:]  # one line: no JAX traceback
+    assert re.search(message, result.stderr)
+    assert result.stdout == ""  # the program never ran
+
+
+def test_strict_accepts_yes_no_words_in_any_case():
+    for word, strict in (("On", True), ("TRUE", True), ("no", False), ("Off", False), ("0", False)):
+        settings = configuration.settings_from_environment({"XLA_PASSES": "dce", "XLA_PASSES_STRICT": word})
+        assert settings.strict == strict, word
 
 
 def test_parallel_compiles_from_threads_are_all_correct_with_unique_dump_numbers(tmp_path):
@@ -329,6 +346,40 @@ def test_the_hook_skips_unparsed_a_module_no_pass_acts_on(monkeypatch, caplog, t
     settings = configuration.Settings("collective-fusion", dump_to=str(tmp_path), strict=True)
     assert xla_passes_jax.rewrite_module(one, settings) is None
     assert any(name.endswith("two_all_reduces.before_xla_passes.txt") for name in os.listdir(tmp_path))
+
+
+def test_a_dump_that_cannot_be_written_warns_once_and_the_passes_go_on(monkeypatch, caplog, tmp_path):
+    from hlo_tools import xla_bridge
+
+    monkeypatch.setattr(xla_passes_jax, "_dump_failure_warned", False)
+    caplog.set_level(logging.WARNING, logger="xla_passes")
+    not_a_directory = tmp_path / "file"
+    not_a_directory.write_text("")
+    settings = configuration.Settings("collective-fusion", dump_to=str(not_a_directory), strict=True)
+    two = xla_bridge.text_to_proto(TWO_ALL_REDUCES)
+    for _ in range(3):
+        combined = xla_passes_jax.rewrite_module(two, settings)
+        assert xla_bridge.proto_to_text(combined).count(" all-reduce(") == 1
+    warnings = [r.getMessage() for r in caplog.records if "cannot write the dumps" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert str(not_a_directory) in warnings[0] and "XLA_PASSES_DUMP_TO" in warnings[0]
+
+
+def test_dumps_never_replace_files_already_in_the_directory(tmp_path):
+    from hlo_tools import xla_bridge
+
+    two = xla_bridge.text_to_proto(TWO_ALL_REDUCES)
+    settings = configuration.Settings("collective-fusion", dump_to=str(tmp_path), strict=True)
+    taken = xla_passes_jax.next_module_number() + 1  # the number the next rewrite tries first
+    (tmp_path / f"module_{taken:04d}.two_all_reduces.before_xla_passes.txt").write_text("someone else's\n")
+    assert xla_passes_jax.rewrite_module(two, settings) is not None
+    assert (tmp_path / f"module_{taken:04d}.two_all_reduces.before_xla_passes.txt").read_text() \
+        == "someone else's\n"
+    moved = taken + 1
+    assert sorted(os.listdir(tmp_path)) == [
+        f"module_{taken:04d}.two_all_reduces.before_xla_passes.txt",
+        f"module_{moved:04d}.two_all_reduces.0001.after_collective-fusion.txt",
+        f"module_{moved:04d}.two_all_reduces.before_xla_passes.txt"]
 
 
 # --- settings ------------------------------------------------------------------------------

@@ -210,3 +210,195 @@ def test_outputs_never_overwrite_the_modules(files):
     before = (files / "per4.hlo").read_bytes()
     assert hlo_tools("per4.hlo", "--output", "per4.hlo", cwd=files)[0] != 0
     assert (files / "per4.hlo").read_bytes() == before
+
+
+# --- Replicated parameters, output files, signals ----------------------------------------------
+
+ALL_REDUCE_8 = """HloModule sum_of_replicas, replica_count=8
+
+add {
+  a = f32[] parameter(0)
+  b = f32[] parameter(1)
+  ROOT c = f32[] add(a, b)
+}
+
+ENTRY main {
+  w = f32[4] parameter(0)
+  ROOT r = f32[4] all-reduce(w), replica_groups={}, to_apply=add
+}
+"""
+# What a rewrite assuming replicated parameters makes of it: right only when w is equal everywhere.
+TIMES_8 = """HloModule times_replicas, replica_count=8
+
+ENTRY main {
+  w = f32[4] parameter(0)
+  eight = f32[] constant(8)
+  b = f32[4] broadcast(eight), dimensions={}
+  ROOT r = f32[4] multiply(w, b)
+}
+"""
+
+
+@pytest.fixture
+def replica_files(tmp_path):
+    (tmp_path / "sum.hlo").write_text(ALL_REDUCE_8)
+    (tmp_path / "times8.hlo").write_text(TIMES_8)
+    return tmp_path
+
+
+def test_replicated_parameters_get_one_value_on_every_device(replica_files):
+    status, out, err = hlo_tools("sum.hlo", "--reference", "times8.hlo", cwd=replica_files)
+    assert status == 1 and "1 of 1 outputs differ from the reference" in err  # random per replica
+    for name in ("0", "w"):
+        status, out, err = hlo_tools("sum.hlo", "--reference", "times8.hlo", "--replicated", name,
+                                     "--save_inputs", "in.npz", cwd=replica_files)
+        assert (status, err) == (0, ""), err
+        assert "the output matches the reference" in out
+        with np.load(replica_files / "in.npz") as data:
+            w = data["arg0"]
+        assert w.shape == (8, 4) and (w == w[0]).all() and len(np.unique(w)) > 1
+
+
+def test_replicated_given_inputs_must_be_replicated(replica_files):
+    np.savez(replica_files / "differ.npz", arg0=np.arange(32, dtype=np.float32).reshape(8, 4))
+    np.savez(replica_files / "same.npz", arg0=np.tile(np.arange(4, dtype=np.float32), (8, 1)))
+    status, _, err = hlo_tools("sum.hlo", "--inputs", "differ.npz", "--replicated", "0",
+                               cwd=replica_files)
+    assert status == 1 and ERROR_LINE.fullmatch(err), err
+    assert "input arg0 holds other values on other devices than on device 0" in err
+    status, _, err = hlo_tools("sum.hlo", "--reference", "times8.hlo", "--inputs", "same.npz",
+                               "--replicated", "w", cwd=replica_files)
+    assert (status, err) == (0, ""), err
+
+
+@pytest.mark.parametrize("name, message", [
+    ("1", r"replicated parameter 1 does not exist \(the entry has 1 parameter\)"),
+    ("v", r"replicated parameter 'v' is neither an entry parameter number nor name "
+          r"\(the entry's parameters: w\)"),
+])
+def test_unknown_replicated_parameters_are_one_line_errors(replica_files, name, message):
+    status, _, err = hlo_tools("sum.hlo", "--replicated", name, cwd=replica_files)
+    assert status == 1 and ERROR_LINE.fullmatch(err), err
+    assert re.search(message, err), err
+
+
+def test_outputs_to_dev_null_and_to_one_file(files):
+    status, out, err = hlo_tools("per4.hlo", "--output", os.devnull, "--save_inputs", os.devnull,
+                                 cwd=files)
+    assert (status, err) == (0, ""), err
+    status, _, err = hlo_tools("per4.hlo", "--output", "x.npz", "--save_inputs", "./x.npz", cwd=files)
+    assert status == 1 and ERROR_LINE.fullmatch(err), err
+    assert "--output and --save_inputs name the same file" in err and not (files / "x.npz").exists()
+
+
+def test_outputs_are_written_atomically_with_the_old_permissions(files):
+    (files / "out.npz").write_bytes(b"old")
+    os.chmod(files / "out.npz", 0o640)
+    status, _, err = hlo_tools("per4.hlo", "--output", "out.npz", cwd=files)
+    assert (status, err) == (0, ""), err
+    with np.load(files / "out.npz") as data:
+        assert data["out0"].shape == (2, 3)
+    assert os.stat(files / "out.npz").st_mode & 0o777 == 0o640
+    assert not [p for p in os.listdir(files) if p.endswith(".tmp")]
+
+
+def test_inputs_too_big_for_memory_are_refused_before_allocating(tmp_path):
+    (tmp_path / "huge.hlo").write_text("HloModule huge\n\nENTRY main {\n"
+                                       "  p = f32[1000000000000] parameter(0)\n"
+                                       "  ROOT n = f32[1000000000000] negate(p)\n}\n")
+    for extra in ([], ["--in_process"]):
+        status, _, err = hlo_tools("huge.hlo", *extra, cwd=tmp_path)
+        assert status == 1 and ERROR_LINE.fullmatch(err), err
+        assert re.search(r"huge\.hlo: parameter 0 \(f32\[1000000000000\]\) takes 4000000000000 bytes "
+                         r"\(3\.6 TiB\), more than this machine's memory", err), err
+
+
+def test_npz_headers_are_checked_before_loading(tmp_path):
+    import io
+    import zipfile
+
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False,
+                                                  "shape": (1000000000,)})
+    with zipfile.ZipFile(tmp_path / "inflated.npz", "w", zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("arg0.npy", header.getvalue() + bytes(1000))
+    (tmp_path / "single.hlo").write_text(SINGLE_DEVICE)
+    status, _, err = hlo_tools("single.hlo", "--inputs", "inflated.npz", cwd=tmp_path)
+    assert status == 1 and ERROR_LINE.fullmatch(err), err
+    assert "inflated.npz: array 'arg0' says it is f32[1000000000] (4000000000 bytes (3.7 GiB)), " \
+           "but the file holds 1000 bytes of data for it" in err
+
+
+def test_a_byte_order_mark_is_accepted(tmp_path):
+    (tmp_path / "bom.hlo").write_bytes(b"\xef\xbb\xbf" + SINGLE_DEVICE.encode())
+    status, out, err = hlo_tools("bom.hlo", cwd=tmp_path)
+    assert (status, err) == (0, ""), err
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from /proc)."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                children.append(int(entry))
+    return children
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGHUP"])
+def test_termination_stops_the_worker_and_removes_temporary_files(files, tmp_path, signum):
+    import signal
+    import time
+
+    private_tmp = tmp_path / "tmp"
+    private_tmp.mkdir()
+    env = dict(os.environ, TMPDIR=str(private_tmp))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.Popen([sys.executable, "-m", "hlo_tools", "run", "endless.hlo"], cwd=files,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not any((d / "status").exists() and (d / "status").read_text().startswith("running")
+                  for d in private_tmp.iterdir()):
+        assert time.monotonic() < deadline and proc.poll() is None, "the worker never started running"
+        time.sleep(0.1)
+    workers = _children(proc.pid)
+    assert workers
+    proc.send_signal(getattr(signal, signum))
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + getattr(signal, signum)
+    assert err == f"hlo-tools: error: terminated by {signum}\n"
+    assert list(private_tmp.iterdir()) == []
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in workers), "a worker outlived the command"
+
+
+def test_a_one_device_all_gather_that_leaves_memory_unwritten_is_warned_about(tmp_path):
+    # XLA's verifier skips the shard count when the group has one member: the module compiles,
+    # and out0[4:] is whatever the buffer held.
+    (tmp_path / "gather.hlo").write_text("HloModule gather\n\nENTRY main {\n"
+                                         "  p = f32[4] parameter(0)\n"
+                                         "  ROOT ag = f32[8] all-gather(p), dimensions={0}, replica_groups={}\n}\n")
+    (tmp_path / "fine.hlo").write_text("HloModule fine\n\nENTRY main {\n"
+                                       "  p = f32[4] parameter(0)\n"
+                                       "  ROOT ag = f32[4] all-gather(p), dimensions={0}, replica_groups={}\n}\n")
+    status, out, err = hlo_tools("gather.hlo", cwd=tmp_path)
+    assert (status, err) == (0, ""), err
+    assert ("warning: gather.hlo: ag: an all-gather on one device gathers f32[4] into f32[8]; only the "
+            "first 4 of 8 along dimension 0 are written, the rest is uninitialized memory") in out
+    status, out, err = hlo_tools("fine.hlo", cwd=tmp_path)
+    assert (status, err) == (0, "") and "warning" not in out

@@ -221,6 +221,16 @@ def test_parameter_replication_count():
     pair(valid, valid.replace("{true,false}", "{true}"), "p", "2 leaf buffers")
 
 
+@pytest.mark.parametrize("shape, match", [
+    ("f32[99999999999999999999999]", r"dimension 0 of shape f32\[99999999999999999999999\] is .* more than int64"),
+    ("f32[9223372036854775807,9223372036854775807]", r"takes 340282366920938463389587631136930004996 bytes"),
+    ("(f32[2], f32[2305843009213693952])", r"takes 9223372036854775808 bytes, more than int64"),
+], ids=["dimension", "product", "tuple leaf"])
+def test_shapes_beyond_int64_are_refused(shape, match):
+    pair(entry("  ROOT p = f32[2305843009213693951] parameter(0)"),  # 2^63 - 4 bytes: still fits
+         entry(f"  ROOT p = {shape} parameter(0)"), "p", match)
+
+
 # -- async ops -------------------------------------------------------------------------------------------------
 ASYNC_COMP = """
 wrapped {

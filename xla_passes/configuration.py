@@ -23,7 +23,7 @@ import sys
 from collections.abc import Mapping
 
 from .core import PassError, registered_passes
-from .pipeline import parse_pipeline
+from .pipeline import abbreviated, parse_pipeline
 
 PRE_SCHEDULER = "pre_scheduler"
 POST_SCHEDULER = "post_scheduler"
@@ -41,6 +41,7 @@ SOURCES = {
     "check": ("XLA_PASSES_CHECK", "xla_passes_check"),
 }
 STRICT_VARIABLE = SOURCES["strict"][0]
+DUMP_VARIABLE = SOURCES["dump_to"][0]
 CHECK_VARIABLE = SOURCES["check"][0]
 
 _TRUE_WORDS = ("1", "true", "yes", "on")
@@ -81,7 +82,7 @@ class Settings:
         try:
             parse_pipeline(self.passes)
         except PassError as exc:
-            message = f"{self.passes!r} is not a valid pipeline: {exc}"
+            message = f"{abbreviated(self.passes)} is not a valid pipeline: {exc}"
             if "valid passes" not in message:
                 message += f" (valid passes: {', '.join(registered_passes())})"
             raise PassError(message) from exc  # `exc` already names its pass
@@ -134,9 +135,11 @@ def settings_from(values: Mapping[str, tuple[object, str]]) -> Settings | None:
     try:
         return Settings(str(passes), stage=str(stage), dump_to=dump_to, strict=strict, check=check)
     except PassError as exc:
-        given = " ".join(f"{where}={value!r}" for value, where in
+        given = " ".join(f"{where}={abbreviated(str(value))}" for value, where in
                          (values[s] for s in ("passes", "stage") if s in values))
         raise ConfigurationError(f"{given}: {exc}", strict) from exc
+    except Exception as exc:  # noqa: BLE001 - whatever the text does, strict must still see an error
+        raise ConfigurationError(f"{where_passes(values)}: {type(exc).__name__}: {exc}", strict) from exc
 
 
 def _yes_no(values: Mapping[str, tuple[object, str]], setting: str, strict: bool) -> bool:
@@ -150,4 +153,17 @@ def _yes_no(values: Mapping[str, tuple[object, str]], setting: str, strict: bool
         return True
     if lowered in _FALSE_WORDS:
         return False
-    raise ConfigurationError(f"{where}={value!r} is not a yes/no value (use 1 or 0)", strict=strict)
+    raise ConfigurationError(f"{where}={abbreviated(str(value))} is not a yes/no value (use one of "
+                             f"{', '.join(_TRUE_WORDS + _FALSE_WORDS[1:])}, in any case)", strict=strict)
+
+
+def strict_requested(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether `XLA_PASSES_STRICT` asks for errors (a value that is not yes/no counts as yes)."""
+    value = (os.environ if environ is None else environ).get(STRICT_VARIABLE, "")
+    return value.strip().lower() not in _FALSE_WORDS
+
+
+def where_passes(values: Mapping[str, tuple[object, str]]) -> str:
+    """``XLA_PASSES='...'`` (or the flag) as given, for error messages."""
+    value, where = values.get("passes", ("", SOURCES["passes"][0]))
+    return f"{where}={abbreviated(str(value))}"

@@ -50,8 +50,8 @@ from hlo_tools.parser import garbage_collection_paused
 
 from . import validation
 from .collectives import apply_platform_thresholds
-from .configuration import (ALL_PLATFORMS, CHECK_VARIABLE, PRE_SCHEDULER, STRICT_VARIABLE, ConfigurationError,
-                            Settings, configured_settings)
+from .configuration import (ALL_PLATFORMS, CHECK_VARIABLE, DUMP_VARIABLE, PRE_SCHEDULER, STRICT_VARIABLE,
+                            ConfigurationError, Settings, configured_settings)
 from .core import PassError
 from .pipeline import Pipeline
 from .replica_groups import inferred_device_counts
@@ -258,7 +258,8 @@ def rewrite_module(module_proto: bytes, settings: Settings, platform: str = "cpu
     name = "<unparsed>"
     start = time.perf_counter()
     try:
-        pipeline = Pipeline(settings.passes, dump_to=settings.dump_to, module_number=number, layouts_final=True)
+        pipeline = Pipeline(settings.passes, dump_to=settings.dump_to, module_number=number, layouts_final=True,
+                            on_dump_error=_dump_failed)
         apply_platform_thresholds(pipeline.all_passes(), platform)
         if not settings.dump_to and not pipeline.could_change(functools.partial(proto_patch.opcode_count, module_proto)):
             logger.info("xla_passes: module_%04d %s: skipped, nothing the passes act on, in %.1f ms", number,
@@ -345,6 +346,20 @@ def _first_wrong_pass(original: bytes, settings: Settings, check) -> tuple[str, 
 
 
 _warned: set[str] = set()
+_dump_failure_warned = False
+_dump_failure_lock = threading.Lock()
+
+
+def _dump_failed(error: OSError) -> None:
+    """A dump could not be written: one warning per process, and the passes go on without it."""
+    global _dump_failure_warned
+    with _dump_failure_lock:
+        if _dump_failure_warned:
+            return
+        _dump_failure_warned = True
+    where = f"{error.filename}: " if error.filename else ""
+    logger.warning("xla_passes: cannot write the dumps (%s%s); the passes go on without them, and this "
+                   "warning is not repeated (check %s)", where, error.strerror or error, DUMP_VARIABLE)
 
 
 def _warn_once(message: str) -> None:

@@ -15,5 +15,31 @@ def initialize() -> None:
     if not os.environ.get("XLA_PASSES", "").strip() and "xla_passes.flags" not in sys.modules:
         return
     from . import jax as jax_adapter  # noqa: PLC0415 - pay for the passes only when they are asked for
+    from .configuration import STRICT_VARIABLE, ConfigurationError, strict_requested  # noqa: PLC0415
 
-    jax_adapter.enable_configured()
+    try:
+        jax_adapter.enable_configured()
+    except ConfigurationError as exc:  # raised only when strict
+        _stop(str(exc), STRICT_VARIABLE)
+    except Exception as exc:
+        if not strict_requested():
+            raise  # JAX logs it and starts without the passes, as a non-strict run asks
+        _stop(f"{type(exc).__name__}: {exc}", STRICT_VARIABLE)
+
+
+def _stop(message: str, strict_variable: str) -> None:
+    """End the program with one line on stderr and exit status 1.
+
+    JAX catches whatever a plugin's `initialize()` raises (SystemExit included), logs it
+    with a traceback and starts without the plugin, which a strict run must not do; so
+    the process ends here, from whatever thread started JAX's backends.
+    """
+    first_line = next((line.strip() for line in message.splitlines() if line.strip()), message)
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+    sys.stderr.write(f"xla_passes: error: {first_line}; the program stops because {strict_variable} "
+                     f"is set (fix the value, or unset {strict_variable} to run without the passes)\n")
+    sys.stderr.flush()
+    os._exit(1)

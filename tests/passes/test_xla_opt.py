@@ -119,11 +119,15 @@ def test_errors_are_one_line_with_a_nonzero_exit(tmp_path, capsys):
         ((str(invalid),), f"{invalid}:6: r:"),
         ((str(src), "--passes=dce", "-o", str(src)), "refusing to overwrite the input file"),
         ((str(src), "-o", str(tmp_path / "no" / "dir" / "out.hlo")), "No such file or directory"),
+        ((str(src), "--passes=" + "fixed-point(" * 10000 + "dce" + ")" * 10000),
+         "column 204: fixed-point groups nest more than 16 deep"),
+        ((str(src), "--passes=dce", "--dump-to", str(src)), f"{src}: --dump-to names a file, not a directory"),
     ]
     for argv, message in cases:
         status, out, err = run_opt(capsys, *argv)
         assert status == 1, argv
         assert message in one_error_line(err), (argv, err)
+        assert len(err) < 1000, err  # pipeline text in a message is abbreviated
     assert src.read_text() == MODULE
 
 
@@ -142,3 +146,48 @@ def test_usage_errors_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as info:
         opt.main(argv)
     assert info.value.code == 2
+
+
+def test_split_input_file_does_not_split_inside_a_string(tmp_path, capsys):
+    quoted = MODULE.replace("ROOT r = f32[8] add(p, p)",
+                            'ROOT r = f32[8] add(p, p), metadata={op_name="a\n// -----\nb"}')
+    src = tmp_path / "cases.hlo"
+    src.write_text(quoted + "// -----\n" + "/* a comment\n// -----\n*/\n" + MODULE.replace("opt_test", "second"))
+    status, out, _ = run_opt(capsys, str(src), "--split-input-file")
+    assert status == 0
+    first, second = out.rsplit("\n// -----\n", 1)  # the first module's string holds one too
+    assert 'op_name="a\n// -----\nb"' in first and first.startswith("HloModule opt_test")
+    assert second.startswith("HloModule second")
+
+
+def test_dump_to_a_reused_directory_replaces_nothing(tmp_path, capsys):
+    src = tmp_path / "in.hlo"
+    src.write_text(MODULE)
+    dump = tmp_path / "dump"
+    assert run_opt(capsys, str(src), "--passes=dce", "--dump-to", str(dump))[0] == 0
+    first = {name: (dump / name).read_text() for name in os.listdir(dump)}
+    assert run_opt(capsys, str(src), "--passes=cse", "--dump-to", str(dump))[0] == 0
+    assert {name: (dump / name).read_text() for name in first} == first
+    assert sorted(set(os.listdir(dump)) - set(first)) == ["module_0001.opt_test.0001.after_cse.txt",
+                                                          "module_0001.opt_test.before_xla_passes.txt"]
+
+
+def test_two_processes_dumping_into_one_directory_keep_every_module(tmp_path):
+    modules = 12
+    src = tmp_path / "cases.hlo"
+    src.write_text("// -----\n".join(MODULE.replace("opt_test", f"case{k}") for k in range(modules)))
+    dump = tmp_path / "dump"
+    command = [sys.executable, "-m", "xla_passes.opt", str(src), "--split-input-file", "--passes=dce",
+               "--dump-to", str(dump)]
+    procs = [subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0], [p.stderr.read() for p in procs]
+    names = os.listdir(dump)
+    numbers = {}
+    for name in names:
+        match = re.fullmatch(r"module_(\d{4})\.(case\d+)\.(before_xla_passes|0001\.after_dce)\.txt", name)
+        assert match, name
+        numbers.setdefault(match.group(1), set()).add((match.group(2), match.group(3)))
+    # every module of both runs has its own number, with both of its files under it
+    assert len(numbers) == 2 * modules
+    assert all(len(files) == 2 and len({case for case, _ in files}) == 1 for files in numbers.values())
