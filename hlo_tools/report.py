@@ -51,13 +51,15 @@ import html
 import os
 import re
 
-from . import graph
+from . import cost_model, graph
+from .cost_model import Chip
 from .cli import one_line
 from .diff import ComputationDiff, ModuleDiff, diff_modules
 from .errors import HloParseError
 from .ir import HloModule
 from .parser import parse_module
 from .stats import ModuleStats, module_stats
+from .topology import Topology
 
 __all__ = ["ReportError", "DumpFile", "ModuleTimeline", "Step", "GraphPair", "Change", "Snapshot", "Report",
            "classify", "scan_dump", "select_modules", "build_report", "render_html", "unified_diff", "plural"]
@@ -163,6 +165,8 @@ class Snapshot:
     error: str | None
     mtime: float
     instructions: int | None = None  # in every computation, when it parsed
+    estimated_step_s: float | None = None  # on the report's machine, when asked and priced
+    estimate_note: str | None = None       # why it could not be priced
 
     def release(self) -> None:
         """Drop the text and the IR: a dump of a big module holds dozens of steps."""
@@ -244,6 +248,17 @@ class ModuleTimeline:
         return any(step.snapshot.error for step in self.steps)
 
 
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """Where `hlo-tools report --topology` prices each step (hlo_tools.cost_model)."""
+
+    topology: Topology
+    chip: Chip
+
+    def describe(self) -> str:
+        return f"{self.topology.describe()} of {self.chip.name}"
+
+
 @dataclasses.dataclass
 class Report:
     directory: str
@@ -252,6 +267,7 @@ class Report:
     ignored_files: int
     module_pattern: str | None = None
     unselected_modules: int = 0  # modules of the dump that module_pattern left out
+    machine: Machine | None = None
 
 
 def _read(file: DumpFile) -> Snapshot:
@@ -304,9 +320,11 @@ def select_modules(groups: dict[tuple[int, str, str], list[DumpFile]],
 
 
 def build_report(directory: str, *, hops: int = DEFAULT_HOPS, max_nodes: int = DEFAULT_MAX_NODES,
-                 layout: str = "auto", module_pattern: str | None = None) -> Report:
+                 layout: str = "auto", module_pattern: str | None = None, machine: Machine | None = None) -> Report:
     """Read the HLO dumps in ``directory`` (of the modules ``module_pattern`` selects, or all)
-    and compare each step with the one before; ``layout`` is :data:`hlo_tools.graph.LAYOUTS`'s."""
+    and compare each step with the one before; ``layout`` is :data:`hlo_tools.graph.LAYOUTS`'s.
+    With a ``machine``, every step of a per-device module gets its estimated step time there
+    (the cost model's IR estimate: compiling every step with XLA would take minutes)."""
     groups = scan_dump(directory)
     if not groups:
         raise ReportError(f"{directory}: no HLO dumps (module_NNNN.<name>.before_optimizations.txt, "
@@ -318,7 +336,7 @@ def build_report(directory: str, *, hops: int = DEFAULT_HOPS, max_nodes: int = D
     modules = []
     parsed_any = False
     for (number, name, source), files in selected.items():
-        timeline = _timeline(number, name, source, files, hops, max_nodes, layout)
+        timeline = _timeline(number, name, source, files, hops, max_nodes, layout, machine)
         warnings += [step.snapshot.error for step in timeline.steps if step.snapshot.error]
         parsed_any |= timeline.last_stats is not None
         modules.append(timeline)
@@ -326,17 +344,27 @@ def build_report(directory: str, *, hops: int = DEFAULT_HOPS, max_nodes: int = D
         raise ReportError(f"{directory}: none of the {sum(map(len, selected.values()))} HLO dumps could be read "
                           f"(first: {warnings[0]})")
     return Report(directory, modules, warnings, ignored_files=len(os.listdir(directory)) - dump_files,
-                  module_pattern=module_pattern, unselected_modules=len(groups) - len(selected))
+                  module_pattern=module_pattern, unselected_modules=len(groups) - len(selected), machine=machine)
+
+
+def _price(snapshot: Snapshot, machine: Machine) -> None:
+    try:
+        estimate = cost_model.estimate(snapshot.module, machine.topology, machine.chip, use_xla=False)
+        snapshot.estimated_step_s = estimate.step_time_s
+    except cost_model.CostModelError as exc:
+        snapshot.estimate_note = one_line(str(exc))
 
 
 def _timeline(number: int, name: str, source: str, files: list[DumpFile], hops: int,
-              max_nodes: int, layout: str) -> ModuleTimeline:
+              max_nodes: int, layout: str, machine: Machine | None = None) -> ModuleTimeline:
     steps: list[Step] = []
     previous: Snapshot | None = None  # the last step that parsed
     first_stats = last_stats = overview = None
     for file in files:
         snapshot = _read(file)
         step = Step(snapshot, previous)
+        if snapshot.module is not None and machine is not None:
+            _price(snapshot, machine)
         if snapshot.module is not None:
             if previous is None:
                 first_stats = module_stats(snapshot.module)
@@ -597,6 +625,9 @@ def render_html(report: Report) -> str:
            f"{plural(report.ignored_files, 'other file')} in the directory ignored "
            f"(buffer assignments, LLVM IR, ...). Graphs show each changed computation's changed "
            f"instructions and their neighbours, scrolled to the change; hover a node for its instruction.</p>"]
+    if report.machine is not None:
+        out.append(f"<p>Estimated step times are for {_esc(report.machine.describe())}: the cost model's IR "
+                   f"estimate (docs/cost_model.md), per-device modules only.</p>")
     if report.warnings:
         out.append('<div class="warnings"><strong>Warnings</strong><ul>')
         out += [f"<li>{_esc(w)}</li>" for w in report.warnings]
@@ -692,8 +723,24 @@ def _timeline_table(m: ModuleTimeline, anchor: str) -> str:
             notes_html += f'<div class="notes">... {len(snap.notes) - len(notes)} more</div>'
         rows.append([str(file.step) if file.step is not None else "", name, what, sizes, seconds, notes_html])
         classes.append("changed" if step.changed else "")
-    return _table(["step", "pass", "what changed", "instructions", "since previous dump", "report"], rows,
-                  numeric={0, 3, 4}, row_classes=classes)
+    header = ["step", "pass", "what changed", "instructions", "since previous dump", "report"]
+    numeric = {0, 3, 4}
+    if any(step.snapshot.estimated_step_s is not None or step.snapshot.estimate_note for step in m.steps):
+        first = next((step.snapshot.estimated_step_s for step in m.steps
+                      if step.snapshot.estimated_step_s is not None), None)
+        header.insert(4, "estimated step")
+        for row, step in zip(rows, m.steps):
+            row.insert(4, _estimate_cell(step.snapshot, first))
+        numeric.add(5)
+    return _table(header, rows, numeric=numeric, row_classes=classes)
+
+
+def _estimate_cell(snapshot: Snapshot, first: float | None) -> str:
+    """A step's estimated time, with its ratio to the first priced step's."""
+    if snapshot.estimated_step_s is None:
+        return f'<span title="{_esc(snapshot.estimate_note or "")}">-</span>'
+    ratio = f" ({snapshot.estimated_step_s / first:.2f}x)" if first else ""
+    return f"{snapshot.estimated_step_s * 1e3:.3g} ms{ratio}"
 
 
 def _stats_html(m: ModuleTimeline) -> str:

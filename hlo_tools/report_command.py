@@ -9,6 +9,7 @@ import argparse
 import os
 
 from hlo_tools import cli, graph, report
+from hlo_tools.cost_command import add_machine_options, machine
 from hlo_tools.graph_command import add_layout_option, check_drawing_options
 
 
@@ -35,12 +36,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="only the modules whose name or a file name REGEX finds (re.search), e.g. "
                         "'jit_step' or 'module_0016'")
     add_layout_option(p)
+    add_machine_options(p, topology_required=False)
     p.set_defaults(func=run_report)
 
 
 def run_report(args: argparse.Namespace) -> int:
     """Write the report of ``args.directory`` to ``args.output``; say where, and what was skipped."""
     check_drawing_options(args)
+    topology, chip = machine(args)
     if os.path.isdir(args.output):
         raise cli.CommandError("is a directory; give the HTML file to write", args.output)
     if not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
@@ -50,7 +53,8 @@ def run_report(args: argparse.Namespace) -> int:
             if any(cli._same_file(args.output, file.path) for file in files):
                 raise cli.CommandError("refusing to overwrite a file of the dump", args.output)
         page = report.build_report(args.directory, hops=args.hops, max_nodes=args.max_nodes,
-                                   layout=args.layout, module_pattern=args.module)
+                                   layout=args.layout, module_pattern=args.module,
+                                   machine=report.Machine(topology, chip) if topology else None)
     except (report.ReportError, graph.LayoutError) as exc:
         raise cli.CommandError(str(exc)) from exc
     cli.write_atomically(args.output, report.render_html(page))

@@ -12,13 +12,16 @@ line on stderr (`xla-opt: error: ...`) and exit status 1; usage errors exit 2.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 
 import numpy as np
 
 import hlo_tools
-from hlo_tools import cli
+from hlo_tools import cli, cost_model
+from hlo_tools.cost_command import add_machine_options, machine
+from hlo_tools.topology import Topology
 
 from . import validation
 from .core import PassError, registered_passes
@@ -47,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dump-to", metavar="DIR",
                         help="write the module before the pipeline and after each pass into DIR")
     parser.add_argument("--report", action="store_true",
-                        help="print what passes that keep a report (weight-update-sharding) did, on stderr")
+                        help="print what passes that keep a report (weight-update-sharding) did, on stderr; "
+                             "with --topology also each step's estimated time on that machine")
+    add_machine_options(parser, topology_required=False)
     parser.add_argument("--layouts-final", action="store_true",
                         help="the input comes after XLA's layout assignment (a dump from the JAX hook, whose "
                              "header says so): new collectives must have layouts XLA can run as they are")
@@ -77,14 +82,39 @@ def _chunks(text: str, split: bool) -> list[tuple[str, int]]:
     if not split:
         return [(text, 0)]
     chunks, current, start = [], [], 0
+    in_string = in_block_comment = False
     for number, line in enumerate(text.splitlines(keepends=True)):
-        if line.strip() == SPLIT_MARKER:
+        if not (in_string or in_block_comment) and line.strip() == SPLIT_MARKER:
             chunks.append(("".join(current), start))
             current, start = [], number + 1
         else:
             current.append(line)
+            in_string, in_block_comment = _open_at_line_end(line, in_string, in_block_comment)
     chunks.append(("".join(current), start))
     return chunks
+
+
+def _open_at_line_end(line: str, in_string: bool, in_block_comment: bool) -> tuple[bool, bool]:
+    """Whether a string literal or a `/* */` comment is still open after `line`, given what was
+    open before it (a `// -----` line inside one is text, not a separator)."""
+    i = 0
+    while i < len(line):
+        if in_string:
+            if line[i] == "\\":
+                i += 1
+            elif line[i] == '"':
+                in_string = False
+        elif in_block_comment:
+            if line.startswith("*/", i):
+                in_block_comment, i = False, i + 1
+        elif line[i] == '"':
+            in_string = True
+        elif line.startswith("//", i):
+            break  # a line comment: quotes in it open nothing
+        elif line.startswith("/*", i):
+            in_block_comment, i = True, i + 1
+        i += 1
+    return in_string, in_block_comment
 
 
 def _shifted(exc, offset: int):
@@ -102,8 +132,12 @@ def _without_leading_comments(text: str) -> str:
 
 def optimize(text: str, passes: str, *, path: str, split: bool = False, verify: bool = True,
              dump_to: str | None = None, regenerate: bool = False, report: bool = False,
-             check: bool = False, layouts_final: bool = False) -> str:
-    """The text of the module(s) in `text` after `passes` (CommandError on any failure)."""
+             check: bool = False, layouts_final: bool = False,
+             machine: tuple[Topology, cost_model.Chip] | None = None) -> str:
+    """The text of the module(s) in `text` after `passes` (CommandError on any failure).
+
+    With `report` and a `machine` (topology, chip), the estimated step time of the module
+    before the passes and after each pass that changed it goes to stderr."""
     outputs = []
     for number, (chunk, offset) in enumerate(_chunks(text, split)):
         try:
@@ -113,8 +147,11 @@ def optimize(text: str, passes: str, *, path: str, split: bool = False, verify: 
         except (hlo_tools.HloParseError, hlo_tools.HloVerifyError) as exc:
             raise cli.located(_shifted(exc, offset), path) from exc
         if passes:
+            priced = _step_times(module.name, machine) if report and machine else None
+            if priced:
+                priced("input", module)
             pipeline = Pipeline(passes, verify=verify, dump_to=dump_to, module_number=number,
-                                layouts_final=layouts_final or LAYOUTS_FINAL_NOTE in chunk)
+                                layouts_final=layouts_final or LAYOUTS_FINAL_NOTE in chunk, after_pass=priced)
             changed = pipeline.run(module)
             if not changed:
                 print(f"{PROG}: {module.name}: no pass changed the module", file=sys.stderr)
@@ -125,6 +162,27 @@ def optimize(text: str, passes: str, *, path: str, split: bool = False, verify: 
                     print(f"{module.name}: {line}", file=sys.stderr)
         outputs.append(_without_leading_comments(module.to_text(regenerate=regenerate)))
     return f"\n{SPLIT_MARKER}\n".join(out.rstrip("\n") + "\n" for out in outputs) if split else outputs[0]
+
+
+def _step_times(module_name: str, machine: tuple[Topology, cost_model.Chip]):
+    """A `Pipeline.after_pass` that prints the module's estimated step time (the cost model's IR
+    estimate) after each pass, with its ratio to the input's."""
+    topology, chip = machine
+    first = []
+
+    def price(step: str, module: hlo_tools.HloModule) -> None:
+        where = f"estimated step on {topology.describe()} of {chip.name}{'' if step == 'input' else ' after ' + step}"
+        try:
+            seconds = cost_model.estimate(module, topology, chip, use_xla=False).step_time_s
+        except cost_model.CostModelError as exc:
+            print(f"{module_name}: {where}: not priced: {exc}", file=sys.stderr)
+            return
+        if step == "input":
+            first.append(seconds)
+        ratio = f" ({seconds / first[0]:.2f}x the input's)" if step != "input" and first and first[0] else ""
+        print(f"{module_name}: {where}: {seconds * 1e3:.4g} ms{ratio}", file=sys.stderr)
+
+    return price
 
 
 def check_inputs(text: str, original: str, passes=()) -> list[np.ndarray]:
@@ -167,6 +225,13 @@ def _check(original: str, module: hlo_tools.HloModule, pipeline: Pipeline) -> No
           file=sys.stderr)
 
 
+def _machine(args: argparse.Namespace) -> tuple[Topology, cost_model.Chip] | None:
+    topology, chip = machine(args)
+    if topology is not None and not args.report:
+        raise cli.CommandError("--topology prices the steps of --report: add --report")
+    return (topology, chip) if topology is not None else None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run `xla-opt` with `argv` (default: `sys.argv[1:]`); returns the exit status."""
     def body() -> int:
@@ -176,11 +241,14 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.passes:
             Pipeline(args.passes)  # report a bad pipeline before reading any input
+        if args.dump_to is not None and os.path.exists(args.dump_to) and not os.path.isdir(args.dump_to):
+            raise cli.CommandError("--dump-to names a file, not a directory", args.dump_to)
         path = "<stdin>" if args.input == "-" else args.input
         text = cli.read_text(args.input)
         result = optimize(text, args.passes, path=path, split=args.split_input_file,
                           verify=args.verify, dump_to=args.dump_to, regenerate=args.regenerate,
-                          report=args.report, check=args.check, layouts_final=args.layouts_final)
+                          report=args.report, check=args.check, layouts_final=args.layouts_final,
+                          machine=_machine(args))
         cli.write_output(result, args.output, args.input)
         return 0
     return cli.report_failures(PROG, body, (PassError,))

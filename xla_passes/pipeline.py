@@ -22,8 +22,7 @@ import time
 
 import hlo_tools
 from hlo_tools import HloModule
-from hlo_tools.cli import write_atomically
-from hlo_tools.dump import module_file_name
+from hlo_tools.dump import module_file_name, sanitize_file_name, write_new, write_numbered
 from hlo_tools.verifier import verify_edits, verify_module
 
 from .collectives import DIMENSIONED_COLLECTIVES, layout_problem
@@ -31,6 +30,8 @@ from .core import HloPass, PassError, pass_class
 from .replica_groups import inferred_device_counts
 
 FIXED_POINT = "fixed-point"
+# How deep fixed-point groups may nest in pipeline text (deeper text is refused, not recursed into).
+MAX_FIXED_POINT_NESTING = 16
 # The first line of every dump of a module whose layouts are final; xla-opt reads it back, and
 # hlo-tools the stage of XLA's pipeline the module was taken at, which that line goes on to name.
 LAYOUTS_FINAL_NOTE = "xla_passes: layouts final (after XLA's layout assignment)"
@@ -72,15 +73,21 @@ class Pipeline:
         since parsing (and all of a module built without parsing), "full" the
         whole module, False nothing.
       dump_to: directory for `module_NNNN.<name>.before_xla_passes.txt` and one
-        `module_NNNN.<name>.KKKK.after_<pass>.txt` per pass that ran.
-      module_number: the NNNN of the dump file names.
+        `module_NNNN.<name>.KKKK.after_<pass>.txt` per pass that ran. No file there is
+        replaced: when NNNN is taken (a directory used before, another process dumping
+        into it), the module's files take the next free number.
+      module_number: the NNNN tried first for the dump file names.
+      on_dump_error: called with the OSError when a dump cannot be written, after which the
+        pipeline goes on; default: the error is raised.
       layouts_final: the module comes after XLA's layout assignment (JAX's pass hook), so the
         layouts of new collectives are what XLA runs: a pass that leaves a gather or scatter
         along a dimension its layout does not make most major fails (`layout_problem`).
+      after_pass: called as `after_pass(pass_name, module)` after every pass that changed the
+        module (`xla-opt --report --topology` prices each step there).
     """
 
     def __init__(self, passes, *, verify: bool | str = True, dump_to: str | None = None, module_number: int = 0,
-                 layouts_final: bool = False):
+                 layouts_final: bool = False, on_dump_error=None, after_pass=None):
         if verify not in VERIFY_CHOICES:
             raise PassError(f"verify={verify!r}: expected True, {FULL!r} or False")
         self.passes = parse_pipeline(passes) if isinstance(passes, str) else list(passes)
@@ -88,6 +95,8 @@ class Pipeline:
         self.dump_to = dump_to
         self.module_number = module_number
         self.layouts_final = layouts_final
+        self.on_dump_error = on_dump_error
+        self.after_pass = after_pass
         self.log: list[PassRun] = []
 
     def __str__(self) -> str:
@@ -97,6 +106,7 @@ class Pipeline:
         """Run every pass on `module` in place; return whether any changed it."""
         self.log = []
         self._dump_count = 0
+        self.dump_number = self.module_number  # the NNNN the dumps got (see `dump_to`)
         module.layouts_final |= self.layouts_final
         if self.dump_to:
             self._dump(module, "before_xla_passes")
@@ -138,6 +148,8 @@ class Pipeline:
                 raise  # KeyboardInterrupt and friends pass through, module restored
             raise PassError(f"{type(exc).__name__}: {exc}", hlo_pass.name) from exc
         self.log.append(PassRun(hlo_pass.name, changed, time.perf_counter() - start))
+        if changed and self.after_pass is not None:
+            self.after_pass(hlo_pass.name, module)
         if self.dump_to:
             self._dump(module, f"after_{hlo_pass.name}", numbered=True, notes=pass_report(hlo_pass))
         return changed
@@ -159,12 +171,10 @@ class Pipeline:
         return [line for item in _flatten(self.passes) for line in pass_report(item)]
 
     def _dump(self, module: HloModule, what: str, numbered: bool = False, notes=()) -> None:
-        os.makedirs(self.dump_to, exist_ok=True)
         step = ""
         if numbered:
             self._dump_count += 1
             step = f"{self._dump_count:04d}."
-        name = module_file_name(self.module_number, module.name, f"{step}{what}.txt")
         text = module.to_text()
         if module.layouts_final:
             from hlo_tools.runner import stage_note, with_header_counts  # noqa: PLC0415 - numpy; dumps only
@@ -180,7 +190,18 @@ class Pipeline:
             if self._device_counts is not None:
                 text = with_header_counts(text, self._device_counts.replicas, self._device_counts.partitions)
         header = "".join(f"// {line}\n" for line in notes)
-        write_atomically(os.path.join(self.dump_to, name), header + text)
+        rest = f"{sanitize_file_name(module.name)}.{step}{what}.txt"
+        try:
+            os.makedirs(self.dump_to, exist_ok=True)
+            if numbered:  # the module's number is claimed: its first file holds it
+                write_new(os.path.join(self.dump_to, module_file_name(self.dump_number, module.name,
+                                                                      f"{step}{what}.txt")), header + text)
+            else:
+                self.dump_number = write_numbered(self.dump_to, self.module_number, rest, header + text)
+        except OSError as exc:
+            if self.on_dump_error is None:
+                raise
+            self.on_dump_error(exc)
 
 
 def pass_report(hlo_pass) -> list[str]:
@@ -229,6 +250,15 @@ def run_passes(module: HloModule, passes, **options) -> bool:
 _PASS_NAME = re.compile(r"[A-Za-z_][\w.\-]*")
 
 
+def abbreviated(text: str, limit: int = 100) -> str:
+    """``repr(text)``, its middle cut out when it is longer than ``limit`` characters (error messages
+    quote pipeline text, which may be anything a user or a script put in a variable)."""
+    if len(text) <= limit:
+        return repr(text)
+    keep = limit // 2
+    return f"{text[:keep]!r}...({len(text) - 2 * keep} characters)...{text[-keep:]!r}"
+
+
 def parse_pipeline(text: str) -> list:
     """Pipeline text -> a list of `HloPass` and `FixedPoint` objects (PassError when malformed)."""
     if not text.strip():
@@ -240,9 +270,10 @@ class _PipelineParser:
     def __init__(self, text: str):
         self.text = text
         self.pos = 0
+        self.depth = 0  # fixed-point groups open at `pos`
 
     def error(self, message: str) -> PassError:
-        return PassError(f"pipeline {self.text!r}, column {self.pos + 1}: {message}")
+        return PassError(f"pipeline {abbreviated(self.text)}, column {self.pos + 1}: {message}")
 
     def skip_space(self):
         while self.pos < len(self.text) and self.text[self.pos].isspace():
@@ -277,6 +308,8 @@ class _PipelineParser:
         if name == FIXED_POINT:
             if self.peek() != "(":
                 raise self.error("fixed-point needs a group of passes in parentheses")
+            if self.depth == MAX_FIXED_POINT_NESTING:
+                raise self.error(f"fixed-point groups nest more than {MAX_FIXED_POINT_NESTING} deep")
             self.pos += 1
             unknown = set(options) - {"max_iterations"}
             if unknown:
@@ -286,7 +319,10 @@ class _PipelineParser:
             except ValueError:
                 raise PassError(f"option max_iterations={options['max_iterations']!r} is not a valid int",
                                 FIXED_POINT) from None
-            return FixedPoint(self.items(closing=")"), limit)
+            self.depth += 1
+            group = self.items(closing=")")
+            self.depth -= 1
+            return FixedPoint(group, limit)
         return pass_class(name).from_options(options)
 
     def options(self) -> dict[str, str]:

@@ -35,30 +35,62 @@ The new groups are derived from the participants (see `xla_passes.replica_groups
 An all-reduce whose groups do not have R*C devices each (or whose participants the module
 does not determine) is left unchanged, or with `strict=true` is an error naming it. With C = 1
 the rows are single devices and the all-reduce already is the column reduction: unchanged too.
+
+The physical form, `all-reduce-2d{mesh=RxC,failed=r:c;r:c}` or `all-reduce-2d{torus=RxC}`
+(wrap-around links; `failed=` optional): the machine has failed chips, and the all-reduce, over
+one group of all its healthy chips (device i is the i-th healthy chip row-major), becomes a
+pipelined reduce-and-broadcast on a spanning tree of physical links, `collective-permute`s
+between neighbours only (`all_reduce_2d_fault_tolerant` has the algorithm and its cost). What
+it leaves alone, and why, is in the pass's report (`xla-opt --report`); with `strict=true` that
+is an error naming the all-reduce. Healthy chips that the failed ones cut apart have no route.
 """
 from __future__ import annotations
 
 from hlo_tools import HloModule, ReplicaGroups
+from hlo_tools.topology import Topology
 
 from ..core import HloPass, register_pass
 from ..replica_groups import DeviceCounts, GroupMode, group_mode, mesh_rows_and_columns, parse_mesh, participant_groups
+from .all_reduce_2d_fault_tolerant import ReductionTree, TreeAllReduceBuilder, misfit
 from .all_reduce_decomposer import Addressing, ChannelIds, decomposable_all_reduces, replace_by_shard_reduction
 
 
 @register_pass
 class AllReduce2D(HloPass):
-    """Rewrite all-reduce over RxC-device groups as reduce-scatter in rows, all-reduce in columns, all-gather."""
+    """Rewrite all-reduce over RxC devices as rows, columns, rows; with failed chips or a torus, over physical links."""
 
     name = "all-reduce-2d"
     opcodes = {"all-reduce"}
     mesh: str = ""
+    torus: str = ""
+    failed: str = ""
     min_bytes: int = 0
     strict: bool = False
 
     def __post_init__(self):
-        parse_mesh(self.mesh)  # a bad mesh fails when the pass is built, not when it runs
+        # A bad mesh, torus or failed chip fails when the pass is built, not when it runs.
+        self.report: list[str] = []
+        self._machine = self._physical_machine()
+        self._tree, self._unroutable = None, ""
+        if self._machine is not None and self._machine.num_devices > 1:
+            try:
+                self._tree = ReductionTree.of(self._machine)
+            except ValueError as exc:  # every all-reduce it could have rewritten says why not
+                self._unroutable = str(exc)
+
+    def _physical_machine(self) -> Topology | None:
+        """The machine the physical form routes on; None for the logical form (`mesh=` alone)."""
+        if bool(self.mesh) == bool(self.torus):
+            raise ValueError("give one of mesh=RxC and torus=RxC")
+        if self.mesh:
+            rows, columns = parse_mesh(self.mesh)
+            return Topology.parse(f"mesh:{rows}x{columns}", self.failed) if self.failed else None
+        return Topology.parse(f"torus:{self.torus.strip()}", self.failed)
 
     def run(self, module: HloModule) -> bool:
+        self.report = []
+        if self._machine is not None:
+            return self._run_physical(module)
         rows, columns = parse_mesh(self.mesh)
         counts = DeviceCounts.of(module)
         channel_ids = ChannelIds(module)
@@ -77,6 +109,28 @@ class AllReduce2D(HloPass):
             within_rows = Addressing(ReplicaGroups.of(row_groups), mode)
             within_columns = Addressing(ReplicaGroups.of(column_groups), mode) if rows > 1 else None
             replace_by_shard_reduction(all_reduce, columns, within_rows, within_columns, channel_ids)
+            changed = True
+        return changed
+
+    def _run_physical(self, module: HloModule) -> bool:
+        if self._machine.num_devices == 1:  # one healthy chip: nothing to send anywhere
+            return False
+        counts = DeviceCounts.of(module)
+        channel_ids = ChannelIds(module)
+        changed = False
+        for all_reduce in decomposable_all_reduces(module, self.min_bytes):
+            problem = self._unroutable or misfit(all_reduce, self._machine, counts)
+            if problem:
+                if self.strict:
+                    raise self.fail(problem, all_reduce)
+                self.report.append(f"%{all_reduce.name} left alone: {problem}")
+                continue
+            name, tree = all_reduce.name, self._tree
+            schedule = TreeAllReduceBuilder(all_reduce, tree, channel_ids).replace()
+            root = "{}:{}".format(*self._machine.coordinate(tree.root))
+            self.report.append(
+                f"%{name}: tree of depth {tree.height} rooted at chip {root} (device {tree.root}), "
+                f"{schedule.chunks} chunks, {schedule.rounds} rounds, {len(schedule.permutes())} collective-permutes")
             changed = True
         return changed
 

@@ -1,0 +1,354 @@
+"""The physical form of `all-reduce-2d`: an all-reduce over the healthy chips of a 2-D mesh or
+torus with failed chips, sent only between physical neighbours.
+
+When chips of a TPU pod's 2-D mesh fail, the rows and columns of the logical 2-D algorithm
+have holes, and a collective over a group that is not a full row or column would be routed by
+the interconnect over chips it does not own. Here the gradient sum runs on a spanning tree of
+the healthy chips instead, every edge of which is one physical link, so it detours around any
+set of holes that leaves the healthy chips connected (`hlo_tools.topology`: device i is the
+i-th healthy chip in row-major order).
+
+The tree. The root is a centre of the healthy chips (the smallest distance to the farthest
+one; the smallest device id among equals); every other chip's parent is a neighbour one hop
+closer to the root (the one with the fewest children so far, then the smallest id), so the
+tree's depth D is the radius of the healthy chips and no chip has more than 4 children.
+
+The schedule: a pipelined reduce-then-broadcast. The flat buffer (tuples flattened, as in
+`all-reduce-decomposer`) is cut into K = min(N, elements) chunks of ceil(L/K) elements, N the
+number of healthy chips. In round t (t = 0 .. K + 2D - 2):
+  * up: a chip at depth d sends chunk t - D + d, the reduction of it over its subtree, to its
+    parent, which reduces it into its own copy (the deepest chips start at round 0, so chunk k
+    is complete at the root after round k + D - 1);
+  * down: the root sends finished chunk t - D, a chip at depth d finished chunk t - D - d, to
+    each child, which keeps it (so chunk k is everywhere after round k + 2D - 1).
+Only pairs whose chunk index lies in [0, K) are in a round's permutes. Each round is at most
+2B `collective-permute`s, B the largest number of children of a chip (a chip receives at most
+one value per permute, so a parent's children are numbered and child j's edge goes in permute
+j); every tree link carries at most one chunk each way per round.
+
+Cost: K + 2D - 1 rounds, each moving ceil(L/K) elements over every busy tree link in each
+direction; over the whole all-reduce every tree link carries the K chunks (the padded buffer,
+~L) once each way. A ring all-reduce over the same chips takes 2(N-1) steps of L/N (~2L per
+link) and needs a Hamiltonian cycle, which a 4x4 mesh with one failed chip does not have (it is
+bipartite with 15 chips). With K = N:
+
+    machine                      N   D  rounds  permutes  ring steps
+    4x4 mesh or torus           16   4    23      136        30
+    4x4 mesh, failed 1:2        15   4    22       98        28
+    4x4 mesh, failed 0:0        15   3    20      126        28
+    4x4 torus, failed 1:2       15   3    20      126        28
+    4x4 mesh, failed 1:2;3:0    14   4    21       92        26
+    4x4 mesh, failed 1:1;2:2    14   6    25       70        26
+    16x16 torus                256  16   287     2092       510
+
+(The logical form on a full 4x4 takes 12 steps, 3 + 3 of L/4 and 6 of L/16: fewer, larger
+steps, ~1.9L per link against the tree's 23 * L/16 ~ 1.4L.)
+
+One program serves every device. A device at depth d keeps its partial sums in "slots"
+rotated by d (slot i holds chunk i - D + d) and its finished chunks rotated the other way
+(slot i holds chunk i - D - d), so whatever its depth, a device sends slot t in round t and
+receives into slot t + 1: the rotation is one dynamic-slice at the start (the depth read from
+a constant table indexed by replica-id or partition-id) and one at the end. A device that no
+pair of a permute targets receives zeros, so selects (masks from the same tables) decide
+whether a received chunk is reduced in or kept; a slot outside [0, K) carries no chunk and is
+never read. `torus=1x3` (device 0 is the root, 1 and 2 its children, D = 1; an f32[3]
+all-reduce is K = 3 chunks of 1 element, 4 rounds)::
+
+    ar = f32[3] all-reduce(p), replica_groups={}, to_apply=add
+  =>
+    ar.pad = f32[5]{0} pad(p, ar.zero), padding=1_1
+    ar.device = s32[] convert(ar.replica-id)
+    ar.depth.table = s32[3]{0} constant({0, 1, 1})
+    ar.depth = s32[] reshape(dynamic-slice(ar.depth.table, ar.device))
+    ar.window = f32[4]{0} dynamic-slice(ar.pad, ar.offset)         # offset = depth * chunk size
+    ar.slot0 = f32[1]{0} slice(ar.window), slice={[0:1]}
+    ar.t0.up0 = f32[1]{0} collective-permute(ar.slot0), source_target_pairs={{1,0}}
+    ar.t0.up1 = f32[1]{0} collective-permute(ar.slot0), source_target_pairs={{2,0}}
+    ar.t0.up0.add = f32[1]{0} add(ar.slot1, ar.t0.up0)
+    ar.t0.slot1 = f32[1]{0} select(ar.has-child0.chunk, ar.t0.up0.add, ar.slot1)
+    ...
+    ar.t1.down0 = f32[1]{0} collective-permute(ar.t0.slot1.1), source_target_pairs={{0,1}}
+    ar.t1.down1 = f32[1]{0} collective-permute(ar.t0.slot1.1), source_target_pairs={{0,2}}
+    ar.t1.finished2 = f32[1]{0} select(ar.is-child1.chunk, ar.t1.down1, ar.t1.down0)
+    ...
+    ROOT ar.reduced = f32[3]{0} select(ar.is-root.result, ar.root-result, ar.device-result)
+
+Addressing: in a replica program (no channel_id) the permutes have no channel_id and pair
+replica ids, as XLA's cross-replica collective-permute does; with a channel_id they get fresh
+channel ids and pair partition ids (XLA's cross-partition collective-permute), which are the
+all-reduce's global device ids only when there is one replica.
+
+Numerics: the reducer is applied along the tree instead of in XLA's order, so integer results
+and min/max are exact, and float sums and products differ by reassociation only (the tests'
+bound for f32: 1e-5 + 1e-5 * |expected|; bit-exact on integer-valued inputs).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+import numpy as np
+
+from hlo_tools import HloInstruction, Literal, PaddingConfig, Shape, SliceSpec
+from hlo_tools.topology import Topology
+
+from ..collectives import flat_buffer, flat_vector, reducer_opcode, result_shapes, split_flat_buffer
+from ..replica_groups import DeviceCounts, GroupMode, group_mode, participant_groups
+from .all_reduce_decomposer import _PROVENANCE_ATTRS, _ZERO, ChannelIds
+
+# Reducers that are one associative, commutative elementwise op: any tree order gives the same
+# result (up to float rounding).
+TREE_REDUCERS = ("add", "multiply", "maximum", "minimum", "and", "or", "xor")
+
+Pairs = tuple[tuple[int, int], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReductionTree:
+    """A breadth-first spanning tree of the healthy chips whose edges are physical links."""
+
+    root: int
+    parent: tuple[int | None, ...]  # per device; None for the root
+    depth: tuple[int, ...]
+    children: tuple[tuple[int, ...], ...]
+
+    @staticmethod
+    def of(topology: Topology) -> ReductionTree:
+        """The tree rooted at a centre of the healthy chips (ValueError when they are cut apart)."""
+        distances = [_distances(topology, device) for device in range(topology.num_devices)]
+        parts = {tuple(d is not None for d in row) for row in distances}
+        if len(parts) > 1:
+            counts = sorted((sum(part) for part in parts), reverse=True)
+            sizes = f"{', '.join(map(str, counts[:-1]))} and {counts[-1]}"
+            stranded = distances[0].index(None)
+            raise ValueError(f"the failed chips cut the healthy chips of {topology.describe()} into {len(parts)} parts "
+                             f"({sizes} chips): no route from {_chip(topology, 0)} to {_chip(topology, stranded)}")
+        root = min(range(topology.num_devices), key=lambda device: (max(distances[device]), device))
+        depth = tuple(distances[root])
+        parent: list[int | None] = [None] * topology.num_devices
+        children: list[list[int]] = [[] for _ in range(topology.num_devices)]
+        for device in sorted(range(topology.num_devices), key=lambda d: (depth[d], d)):
+            if device == root:
+                continue
+            closer = [n for n in topology.neighbours(device) if depth[n] == depth[device] - 1]
+            chosen = min(closer, key=lambda n: (len(children[n]), n))
+            parent[device] = chosen
+            children[chosen].append(device)
+        return ReductionTree(root, tuple(parent), depth, tuple(tuple(sorted(c)) for c in children))
+
+    @property
+    def height(self) -> int:
+        return max(self.depth)
+
+    @property
+    def branching(self) -> int:
+        """The most children of any chip: how many permutes a round needs in each direction."""
+        return max(len(c) for c in self.children)
+
+    def child_number(self, device: int) -> int:
+        """The device's position among its parent's children (-1 for the root)."""
+        up = self.parent[device]
+        return -1 if up is None else self.children[up].index(device)
+
+
+def _chip(topology: Topology, device: int) -> str:
+    return "{}:{}".format(*topology.coordinate(device))
+
+
+def _distances(topology: Topology, source: int) -> list[int | None]:
+    """Hops from `source` to every device over healthy links (None where cut off)."""
+    distance: list[int | None] = [None] * topology.num_devices
+    distance[source] = 0
+    queue = deque([source])
+    while queue:
+        device = queue.popleft()
+        for n in topology.neighbours(device):
+            if distance[n] is None:
+                distance[n] = distance[device] + 1
+                queue.append(n)
+    return distance
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeSchedule:
+    """Which chunk crosses which tree edge in which round (the module docstring's schedule)."""
+
+    tree: ReductionTree
+    chunks: int
+
+    @property
+    def rounds(self) -> int:
+        return self.chunks + 2 * self.tree.height - 1
+
+    def _carries(self, chunk: int) -> bool:
+        return 0 <= chunk < self.chunks
+
+    def up_pairs(self, round_: int, child: int) -> Pairs:
+        """(child, parent) pairs of the `child`-th children that send their partial chunk in `round_`."""
+        tree, height = self.tree, self.tree.height
+        return tuple((device, tree.parent[device]) for device in range(len(tree.depth))
+                     if tree.child_number(device) == child and self._carries(round_ - height + tree.depth[device]))
+
+    def down_pairs(self, round_: int, child: int) -> Pairs:
+        """(parent, its `child`-th child) pairs that pass a finished chunk down in `round_`."""
+        tree, height = self.tree, self.tree.height
+        return tuple((device, kids[child]) for device, kids in enumerate(tree.children)
+                     if len(kids) > child and self._carries(round_ - height - tree.depth[device]))
+
+    def permutes(self) -> list[tuple[int, str, int, Pairs]]:
+        """Every collective-permute in program order: (round, "up" or "down", child number, pairs)."""
+        found = []
+        for round_ in range(self.rounds):
+            for direction, pairs_of in (("up", self.up_pairs), ("down", self.down_pairs)):
+                for child in range(self.tree.branching):
+                    pairs = pairs_of(round_, child)
+                    if pairs:
+                        found.append((round_, direction, child, pairs))
+        return found
+
+
+def misfit(all_reduce: HloInstruction, topology: Topology, counts: DeviceCounts) -> str:
+    """Why `all_reduce` cannot be rewritten onto `topology`'s healthy chips ("" when it can)."""
+    reducer = reducer_opcode(all_reduce.attrs["to_apply"])
+    if reducer not in TREE_REDUCERS:
+        return f"the reducer is not one elementwise {', '.join(TREE_REDUCERS)}"
+    if reducer in ("add", "multiply") and all_reduce.operand(0).shape.dtype == "pred":
+        return f"a {reducer} of pred (XLA backends disagree on what it is)"
+    groups = participant_groups(all_reduce, counts)
+    if groups is None:
+        return ("the participants are not known: empty replica_groups, or a channel_id without "
+                "use_global_device_ids, need replica_count/num_partitions in the module header")
+    devices = topology.num_devices
+    if len(groups) != 1 or sorted(groups[0]) != list(range(devices)):
+        sizes = ", ".join(str(len(group)) for group in groups)
+        return (f"the groups ({len(groups)} of {sizes} devices) are not one group of the {devices} "
+                f"healthy chips of {topology.describe()}")
+    cross_replica = group_mode(all_reduce) is GroupMode.CROSS_REPLICA
+    if not cross_replica and (counts.replicas or 1) > 1:
+        return f"collective-permute with a channel_id pairs partitions, and the module has {counts.replicas} replicas"
+    stated = counts.replicas if cross_replica else counts.partitions
+    if stated is not None and stated != devices:
+        kind = "replicas" if cross_replica else "partitions"
+        return f"the module runs on {stated} {kind}, {topology.describe()} has {devices} healthy chips"
+    return ""
+
+
+class TreeAllReduceBuilder:
+    """Builds the tree form of one all-reduce next to it and puts it in the all-reduce's place."""
+
+    def __init__(self, all_reduce: HloInstruction, tree: ReductionTree, channel_ids: ChannelIds):
+        self.all_reduce = all_reduce
+        self.tree = tree
+        self.channel_ids = channel_ids
+        self.cross_replica = group_mode(all_reduce) is GroupMode.CROSS_REPLICA
+        self.reducer = reducer_opcode(all_reduce.attrs["to_apply"])
+        self.provenance = {key: value for key, value in all_reduce.attrs.items() if key in _PROVENANCE_ATTRS}
+
+    def add(self, opcode: str, operands, shape: Shape | None = None, *, role: str | None = None, literal=None,
+            **attrs) -> HloInstruction:
+        return self.all_reduce.parent.add_instruction(
+            opcode, operands, shape, name=f"{self.all_reduce.name}.{role or opcode}",
+            attrs={**attrs, **self.provenance}, literal=literal, before=self.all_reduce)
+
+    def replace(self) -> TreeSchedule:
+        """Replace the all-reduce; return the schedule it now runs."""
+        all_reduce, tree = self.all_reduce, self.tree
+        dtype = all_reduce.operand(0).shape.dtype
+        buffer = flat_buffer(all_reduce.operands, self.add)
+        size = buffer.shape.dims[0]
+        schedule = TreeSchedule(tree, min(len(tree.depth), size))
+        chunks, height, rounds = schedule.chunks, tree.height, schedule.rounds
+        chunk = -(-size // chunks)
+
+        # Slot i of the partial sums of a device at depth d is chunk i - D + d: a window of T slots
+        # into the buffer with D chunks of padding before it and 2D - 1 (plus the rounding) after.
+        scalar = Shape.array(dtype, ())
+        zero = self.add("constant", (), scalar, role="zero", literal=Literal.parse(scalar, _ZERO.get(dtype, "0")))
+        padded = self.add("pad", [buffer, zero], padding=PaddingConfig(
+            ((height * chunk, (rounds - chunks) * chunk + chunks * chunk - size, 0),)))
+        device = self.add("convert", [self.add("replica-id" if self.cross_replica else "partition-id", [],
+                                               Shape.array("u32", ()))], Shape.array("s32", ()), role="device")
+        depth = self.lookup(device, tree.depth, "depth")
+        chunk_size = self.s32(chunk, "chunk-size")
+        window = self.add("dynamic-slice", [padded, self.add("multiply", [depth, chunk_size], role="offset")],
+                          flat_vector(dtype, rounds * chunk), role="window", dynamic_slice_sizes=(rounds * chunk,))
+        partial: dict[int, HloInstruction] = {}
+
+        def slot(i: int) -> HloInstruction:
+            if i not in partial:
+                partial[i] = self.add("slice", [window], flat_vector(dtype, chunk), role=f"slot{i}",
+                                      slice=SliceSpec(((i * chunk, (i + 1) * chunk, 1),)))
+            return partial[i]
+
+        is_root = self.add("compare", [depth, self.s32(0, "zero-depth")], Shape.array("pred", ()),
+                           role="is-root", direction="EQ")
+        root_chunk = self.broadcast(is_root, chunk, "is-root.chunk")
+        children = self.lookup(device, [len(kids) for kids in tree.children], "children")
+        number = self.lookup(device, [tree.child_number(d) for d in range(len(tree.depth))], "child-number")
+        has_child = [self.broadcast(self.compare(children, j, "GT", f"has-child{j}"), chunk, f"has-child{j}.chunk")
+                     for j in range(tree.branching)]
+        is_child = [self.broadcast(self.compare(number, j, "EQ", f"is-child{j}"), chunk, f"is-child{j}.chunk")
+                    for j in range(tree.branching)]
+
+        finished: dict[int, HloInstruction] = {}  # slot i of a non-root device: finished chunk i - D - d
+        for t in range(rounds):
+            up = [(j, pairs) for j in range(tree.branching) if (pairs := schedule.up_pairs(t, j))]
+            down = [(j, pairs) for j in range(tree.branching) if (pairs := schedule.down_pairs(t, j))]
+            # The root sends its partial slot (its chunks are finished there), the others their
+            # finished slot; when nothing reached slot t yet, only the root sends this round.
+            sent_down = slot(t)
+            if down and t in finished:
+                sent_down = self.add("select", [root_chunk, slot(t), finished[t]], role=f"t{t}.send-down")
+            received_up = [(j, self.permute(slot(t), pairs, f"t{t}.up{j}")) for j, pairs in up]
+            received_down = [(j, self.permute(sent_down, pairs, f"t{t}.down{j}")) for j, pairs in down]
+            for j, value in received_up:
+                before = slot(t + 1)
+                reduced = self.add(self.reducer, [before, value], role=f"t{t}.up{j}.{self.reducer}")
+                partial[t + 1] = self.add("select", [has_child[j], reduced, before], role=f"t{t}.slot{t + 1}")
+            for j, value in received_down:
+                finished[t + 1] = value if t + 1 not in finished else self.add(
+                    "select", [is_child[j], value, finished[t + 1]], role=f"t{t}.finished{t + 1}")
+
+        # The root's chunk k is partial slot k + D; a depth-d device's is finished slot k + D + d.
+        root_result = self.concatenate([slot(i) for i in range(height, height + chunks)], "root-result")
+        later = self.concatenate([finished[i] for i in range(height + 1, rounds + 1)], "finished")
+        start = self.add("multiply", [self.add("subtract", [depth, self.s32(1, "one")], role="depth-1"), chunk_size],
+                         role="finished-offset")
+        others = self.add("dynamic-slice", [later, start], root_result.shape, role="device-result",
+                          dynamic_slice_sizes=root_result.shape.dims)
+        reduced = self.add("select", [self.broadcast(is_root, chunks * chunk, "is-root.result"), root_result, others],
+                           role="reduced")
+
+        results = split_flat_buffer(reduced, result_shapes(all_reduce), self.add)
+        replacement = self.add("tuple", results) if all_reduce.shape.is_tuple else results[0]
+        if "sharding" in all_reduce.attrs:
+            replacement.attrs["sharding"] = all_reduce.attrs["sharding"]
+        all_reduce.replace_all_uses_with(replacement)
+        all_reduce.parent.remove_instruction(all_reduce)
+        return schedule
+
+    def s32(self, value: int, role: str) -> HloInstruction:
+        shape = Shape.array("s32", ())
+        return self.add("constant", (), shape, role=role, literal=Literal.parse(shape, str(value)))
+
+    def lookup(self, device: HloInstruction, values, role: str) -> HloInstruction:
+        """`values[device]` (s32), read from a constant table."""
+        literal = Literal.from_numpy(np.array(values, np.int32))
+        table = self.add("constant", [], literal.shape, role=f"{role}.table", literal=literal)
+        entry = self.add("dynamic-slice", [table, device], flat_vector("s32", 1), role=f"{role}.lookup",
+                         dynamic_slice_sizes=(1,))
+        return self.add("reshape", [entry], Shape.array("s32", ()), role=role)
+
+    def compare(self, value: HloInstruction, constant: int, direction: str, role: str) -> HloInstruction:
+        return self.add("compare", [value, self.s32(constant, f"{role}.bound")], Shape.array("pred", ()),
+                        role=role, direction=direction)
+
+    def broadcast(self, scalar: HloInstruction, size: int, role: str) -> HloInstruction:
+        return self.add("broadcast", [scalar], flat_vector(scalar.shape.dtype, size), role=role, dimensions=())
+
+    def concatenate(self, pieces: list[HloInstruction], role: str) -> HloInstruction:
+        return pieces[0] if len(pieces) == 1 else self.add("concatenate", pieces, role=role, dimensions=(0,))
+
+    def permute(self, chunk: HloInstruction, pairs: Pairs, role: str) -> HloInstruction:
+        channel = {} if self.cross_replica else {"channel_id": self.channel_ids.fresh()}
+        return self.add("collective-permute", [chunk], chunk.shape, role=role, **channel, source_target_pairs=pairs)
