@@ -37,7 +37,9 @@ broadcasts; other full-size operands, which must be the same on every device of 
 group (weights, optimizer state), are dynamic-sliced. Values leaving the step (through
 the root) are all-gathered; a full reduction (global-norm clipping, LAMB/LARS trust
 ratios) becomes a reduction of the shard plus an all-reduce of the partial results; a
-fusion that computes such norms is inlined first. Anything else keeps the weight
+fusion that computes such norms is inlined first, and XLA:CPU's two-step sums (a block
+reduce-window of partial sums, then a reduce of those) are read as one reduction. Anything
+else keeps the weight
 replicated, with the reason in the report (`pass.report`, and the `xla_passes` logger).
 With `persistent=true` the optimizer state stays sharded between steps: in an entry
 computation its parameter and output become shards; in a Shardy shard_map body they become
@@ -289,12 +291,21 @@ class _ComputationSharder:
             leaves = self._gradient_leaves()
             chains = self._chains(leaves)
             regions = self._regions(chains)
-            norm_fusions = {user for region in regions if not self._problem(region)
-                            and all(_is_norm_fusion(u) for _, u in region.blocking) for _, user in region.blocking}
-            if not norm_fusions:
+            # Uses that are reductions in disguise: fusions that compute norms (inlined: their
+            # reductions then combine), and XLA:CPU's reduce-windows of partial sums that are summed
+            # again (collapsed into one reduction); then look again.
+            fixable = {user for region in regions if not self._problem(region)
+                       and all(_is_norm_fusion(u) or _is_collapsible(u) for _, u in region.blocking)
+                       for _, user in region.blocking}
+            if not fixable:
                 break
-            for fusion in sorted(norm_fusions, key=self._order.get):  # their reductions then combine
-                _inline_fusion(fusion)
+            for user in sorted(fixable, key=self._order.get):
+                if user.parent is not self.comp:
+                    continue  # inlined with a fusion that reduced it
+                if user.opcode == "fusion":
+                    _inline_fusion(user)
+                elif _is_collapsible(user):
+                    _collapse_block_reduction(user)
             unfused = True
         for region in regions:
             self._judge(region, chains)
@@ -454,7 +465,12 @@ class _ComputationSharder:
                     region.reductions.append(user)
                 else:
                     region.blocking.append((member, user))
-                    region.blocking_reason = region.blocking_reason or _use_reason(member, user, blocked.get(user))
+        # The reason names a use that stops the weight: a norm fusion or a reduce-window of partial
+        # sums stops it only when nothing else does (`run` takes them apart otherwise).
+        stopping = [(m, u) for m, u in region.blocking
+                    if u in blocked or not (_is_norm_fusion(u) or _is_collapsible(u))]
+        for member, user in stopping[:1] or region.blocking[:1]:
+            region.blocking_reason = _use_reason(member, user, blocked.get(user))
         return region
 
     def _leaves_step(self, user: HloInstruction) -> bool:
@@ -1231,6 +1247,10 @@ def _use_reason(member: HloInstruction, user: HloInstruction, differing: HloInst
                          and i.opcode not in ("parameter", "constant", "broadcast")})
         kind = user.attrs.get("kind")
         reason = reason[:-1] + f", {kind}" + (f" with {', '.join(inside)})" if inside else ")")
+    if user.opcode == "reduce-window" or (user.opcode == "fusion" and "reduce-window" in inside):
+        reason += ("; a reduce-window counts as part of a full reduction only when its windows partition the "
+                   "value (size = stride, no dilation, padded from its reducer's identity to whole windows) and "
+                   "reduces with its reducer, from the identity, sum all of its results and are their only uses")
     if user.opcode == "call":
         reason += "; run call-inliner first so that the pass sees inside it"
     return reason
@@ -1418,14 +1438,121 @@ def _reorder_first(fused: HloComputation, starts: list[HloInstruction], dims: tu
 
 
 def _is_norm_fusion(instr: HloInstruction) -> bool:
-    """A fusion that reduces full-size values to a scalar (a global or per-tensor norm): once
-    inlined, its reductions become reductions of shards and an all-reduce of the results."""
-    if instr.opcode != "fusion" or instr.attrs.get("kind") not in ("kLoop", "kInput") or instr.shape.rank != 0:
+    """A fusion that reduces full-size values (a global or per-tensor norm): once inlined, its
+    reductions become reductions of shards and an all-reduce of the results.
+
+    Its fused computation holds only elementwise instructions, scalar broadcasts, constants,
+    reduces and block reduce-windows (`_block_reduction_opcode`), whatever its kind: a fusion
+    means its computation, and XLA's CPU backend computes the sums of squares of global-norm
+    clipping in `kCustom` fusions (`__ynn_fusion`). Its result is a scalar, or the partial
+    results of a block reduce-window at its root that its users all reduce in full with the same
+    reducer (`_reduced_fully`): XLA:CPU reduces `f32[256,16]` to a scalar as a reduce-window
+    to `f32[8,1]` partial sums and a reduce of those, in two fusions.
+    """
+    if instr.opcode != "fusion" or instr.attrs.get("kind") not in ("kLoop", "kInput", "kCustom"):
         return False
     fused = instr.attrs["calls"]
-    return any(i.opcode == "reduce" for i in fused.instructions) and all(
-        i.opcode in ("parameter", "constant", "reduce") or i.opcode in ELEMENTWISE or _is_scalar_broadcast(i)
-        for i in fused.instructions)
+    if not any(i.opcode in ("reduce", "reduce-window") for i in fused.instructions):
+        return False
+    if not all(i.opcode in ("parameter", "constant", "reduce") or i.opcode in ELEMENTWISE or _is_scalar_broadcast(i)
+               or _block_reduction_opcode(i, fused) is not None for i in fused.instructions):
+        return False
+    if instr.shape.rank == 0:
+        return True
+    opcode = _block_reduction_opcode(fused.root, fused)
+    return opcode is not None and not instr.is_root and _reduced_fully(instr, opcode)
+
+
+def _block_reduction_opcode(instr: HloInstruction, fused: HloComputation | None = None,
+                            fusion: HloInstruction | None = None) -> str | None:
+    """For a reduce-window whose windows partition its operand with a reducer whose partial
+    results combine, from its identity: the reducer's opcode, else None. A full reduction of its
+    result with the same reducer is then a full reduction of its operand (in another order).
+
+    The windows partition the operand when, in every dimension, the stride equals the window
+    size, nothing is dilated or reversed, and the padded dimension is a whole number of windows;
+    padding may not be negative (that drops elements). Padding takes the initial value (XLA's
+    CPU backend pads `f32[40,9]` to 64 rows for windows of 32), which is the identity here: a
+    padded position adds nothing. In a fused computation (`fused`) the initial value may be a
+    parameter of it: a constant operand of `fusion` when given, else accepted
+    (`_reduced_fully` checks it)."""
+    if instr.opcode != "reduce-window" or instr.operand_count != 2 or not instr.shape.is_array:
+        return None
+    operand, window = instr.operand(0), instr.attrs.get("window")
+    dims = window.dimensions if window is not None else ()
+    if not operand.shape.is_array or len(dims) != operand.shape.rank or operand.shape.is_dynamic:
+        return None
+    windows = []
+    for d, size in zip(dims, operand.shape.dims):
+        padded = d.padding_low + size + d.padding_high
+        if (d.size < 1 or d.size != d.stride or d.padding_low < 0 or d.padding_high < 0 or padded % d.size
+                or d.window_dilation != 1 or d.base_dilation != 1 or d.window_reversal):
+            return None
+        windows.append(padded // d.size)
+    if instr.shape.dims != tuple(windows):
+        return None
+    opcode = reducer_opcode(instr.attrs["to_apply"])
+    if opcode not in _REDUCER_IDENTITY:
+        return None
+    init = instr.operand(1)
+    if fused is not None and init.opcode == "parameter" and init.parent is fused:
+        if fusion is None:
+            return opcode
+        init = fusion.operand(init.parameter_number)
+    return opcode if _is_identity(init, opcode) else None
+
+
+def _is_identity(instr: HloInstruction, opcode: str) -> bool:
+    value = _constant_value(instr)
+    return value is not None and bool(np.asarray(value == _REDUCER_IDENTITY[opcode]).all())
+
+
+def _reduced_fully(value: HloInstruction, opcode: str) -> bool:
+    """Whether every use of `value` reduces all of it with the reducer `opcode` from its identity:
+    a reduce, or a scalar norm fusion whose parameters bound to `value` are only so reduced; and
+    whether the initial value of a block reduce-window at the root of the fusion `value` is one."""
+    if value.opcode == "fusion":
+        fused = value.attrs["calls"]
+        if _block_reduction_opcode(fused.root, fused, value) != opcode:
+            return False
+    if not value.users or value.is_root:
+        return False
+    for user in value.users:
+        if user.opcode == "reduce":
+            if not (_full_reduction_of(user, value) and reducer_opcode(user.attrs["to_apply"]) == opcode):
+                return False
+        elif user.opcode == "fusion" and user.shape.rank == 0 and _is_norm_fusion(user):
+            fused = user.attrs["calls"]
+            for number, operand in enumerate(user.operands):
+                if operand is not value:
+                    continue
+                parameter = fused.parameter(number)
+                if not parameter.users or parameter.is_root or not all(
+                        _full_reduction_of(u, parameter, user) and reducer_opcode(u.attrs["to_apply"]) == opcode
+                        for u in parameter.users):
+                    return False
+        else:
+            return False
+    return True
+
+
+def _collapse_block_reduction(reduce_window: HloInstruction) -> None:
+    """`reduce(reduce-window(x))` becomes `reduce(x)` (`_block_reduction_opcode`, `_reduced_fully`):
+    the scalar norm fusions that reduce the partial results are inlined first."""
+    source = reduce_window.operand(0)
+    for fusion in list(dict.fromkeys(u for u in reduce_window.users if u.opcode == "fusion")):
+        _inline_fusion(fusion)
+    for reduce in list(reduce_window.users):
+        reduce.set_operand(0, source)
+        reduce.attrs["dimensions"] = tuple(range(source.shape.rank))
+    if not reduce_window.users:
+        reduce_window.parent.remove_instruction(reduce_window)
+
+
+def _is_collapsible(instr: HloInstruction) -> bool:
+    """A block reduce-window whose partial results are only reduced in full with its reducer."""
+    opcode = _block_reduction_opcode(instr)
+    return opcode is not None and _reduced_fully(instr, opcode)
 
 
 def _inline_fusion(fusion: HloInstruction) -> None:
@@ -1444,8 +1571,10 @@ def _inline_fusion(fusion: HloInstruction) -> None:
         comp.parent.remove_computation(fused)
 
 
-def _full_reduction_of(user: HloInstruction, member: HloInstruction) -> bool:
-    """A reduce of all dimensions of `member` with a reducer whose partial results combine."""
+def _full_reduction_of(user: HloInstruction, member: HloInstruction, fusion: HloInstruction | None = None) -> bool:
+    """A reduce of all dimensions of `member` with a reducer whose partial results combine, from
+    its identity (inside the fused computation of `fusion`, the identity may come in as a
+    parameter that `fusion` binds to a constant)."""
     if user.opcode != "reduce" or user.operand_count != 2 or user.operand(0) is not member:
         return False
     if tuple(sorted(user.attrs.get("dimensions", ()))) != tuple(range(member.shape.rank)):
@@ -1453,8 +1582,10 @@ def _full_reduction_of(user: HloInstruction, member: HloInstruction) -> bool:
     opcode = reducer_opcode(user.attrs["to_apply"])
     if opcode not in _REDUCER_IDENTITY:
         return False
-    value = _constant_value(user.operand(1))
-    return value is not None and bool(np.asarray(value == _REDUCER_IDENTITY[opcode]).all())
+    init = user.operand(1)
+    if fusion is not None and init.opcode == "parameter" and init.parent is fusion.attrs["calls"]:
+        init = fusion.operand(init.parameter_number)
+    return _is_identity(init, opcode)
 
 
 def _constant_value(instr: HloInstruction):
