@@ -465,3 +465,80 @@ def test_runner_refuses_a_global_shape_that_does_not_split():
     with pytest.raises(runner.RunError, match=r"global shape \[1, 20, 8, 2\] does not split"):
         runner.run_module(text)
     assert math.prod(runner.run_module(text.replace("20", "10")).inputs[0].shape) == 160
+
+
+# --- explicit pads (Keras's ZeroPadding2D) ------------------------------------------------------------
+
+def _pad_modules() -> dict[str, str]:
+    path = __file__.replace("test_spatial_partitioning.py", "spatial_partitioning_pad.hlo")
+    with open(path, encoding="utf-8") as f:
+        pieces = f.read().split("// -----")
+    texts = ["\n".join(line for line in piece.splitlines() if not line.startswith("//")).strip() + "\n"
+             for piece in pieces]
+    return {text.split()[1].rstrip(","): text for text in texts}
+
+
+PAD_MODULES = _pad_modules()
+
+
+@pytest.mark.parametrize("options", ["", "{mesh=2x2}", "{num_partitions=3}", "{num_partitions=8}"])
+@pytest.mark.parametrize("name", PAD_MODULES)
+def test_pad_modules_compute_the_same(name, options):
+    """Every module of spatial_partitioning_pad.hlo, 1 device against 4 (2x2), 3 and 8; only
+    interior padding and uneven results gather."""
+    module, report = _compare(PAD_MODULES[name], f"spatial-partitioning{options}")
+    gathers = [line for line in report if " all-gather " in line and "at the result" not in line]
+    assert bool(gathers) == (name == "interior"), gathers
+
+
+TF_PADS = [  # (rows, window, stride, padding of H and W)
+    (16, 3, 1, (1, 1)), (17, 3, 1, (1, 1)),       # ZeroPadding2D(1) + 3x3 VALID, even and odd
+    (16, 3, 2, (0, 1)), (15, 3, 2, (1, 1)),       # correct_pad before a 3x3 stride-2 (MobileNet, EfficientNet)
+    (32, 7, 2, (3, 3)), (31, 7, 2, (3, 3)),       # ResNet's stem
+]
+
+
+@pytest.mark.parametrize("gradient", [False, True], ids=["forward", "gradient"])
+@pytest.mark.parametrize("rows, window, stride, pads", TF_PADS)
+def test_tf_pad_before_valid_convolution(rows, window, stride, pads, gradient):
+    """`conv2d(tf.pad(x), k, stride, "VALID")` and its gradients (TF slices the padded input's
+    gradient) exchange halos like a SAME convolution: no all-gather but the uneven results'."""
+    tf = pytest.importorskip("tensorflow")
+
+    def step(x, k):
+        with tf.GradientTape() as tape:
+            tape.watch([x, k])
+            y = tf.nn.relu(tf.nn.conv2d(tf.pad(x, [[0, 0], pads, pads, [0, 0]]), k, stride, "VALID"))
+            loss = tf.reduce_sum(y * y)
+        return [y, loss] + tape.gradient(loss, [x, k]) if gradient else y
+
+    text = tf.function(step, jit_compile=True).experimental_get_compiler_ir(
+        tf.zeros((2, rows, rows, 3)), tf.zeros((window, window, 3, 4)))(stage="hlo")
+    module, report = _compare(text, "spatial-partitioning{split=0:1}")
+    assert _count(module, "collective-permute") > 0 and _count(module, "pad") == 0
+    gathers = [line for line in report if " all-gather " in line and "at the result" not in line]
+    assert not gathers, gathers
+    folds = [line for line in report if " fold " in line]
+    assert len(folds) == (3 if gradient else 1), folds   # forward + weight gradient + the input gradient's slice
+    _partition(text, "spatial-partitioning")   # finds the image without split=
+
+
+@pytest.mark.parametrize("padded", [True, False], ids=["pad_valid", "same"])
+def test_tf_front_end_pad_exchanges_halos_as_same_does(padded):
+    """The issue's program through `xla_passes.tensorflow.function`: conv2d(tf.pad(x), k, 1,
+    "VALID") exchanges halos as conv2d(x, k, 1, "SAME") does, and gives TF's numbers."""
+    tf = pytest.importorskip("tensorflow")
+    import xla_passes.tensorflow
+
+    k = tf.constant(np.random.default_rng(1).standard_normal((3, 3, 3, 4)).astype(np.float32))
+
+    def step(x):
+        if padded:
+            return tf.nn.conv2d(tf.pad(x, [[0, 0], [1, 1], [1, 1], [0, 0]]), k, 1, "VALID")
+        return tf.nn.conv2d(x, k, 1, "SAME")
+
+    ours = xla_passes.tensorflow.function(step, passes="spatial-partitioning{num_partitions=4,split=0:1}")
+    x = np.random.default_rng(2).standard_normal((2, 16, 16, 3)).astype(np.float32)
+    np.testing.assert_allclose(ours(x).numpy(), tf.function(step, jit_compile=True)(x).numpy(), rtol=1e-5, atol=1e-5)
+    module = hlo_tools.parse_module(ours.module_text(x))
+    assert _count(module, "collective-permute") == 2 and _count(module, "all-gather") == 0

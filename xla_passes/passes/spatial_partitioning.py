@@ -24,12 +24,15 @@ Values follow the slab through elementwise ops, broadcasts, transposes and resha
 keep the split dimension; convolutions, reduce-window and select-and-scatter exchange halos
 sized from their windows (`xla_passes.spatial.windows`); reductions over split dimensions
 and convolutions whose window is split (weight gradients) reduce locally and all-reduce;
-anything else (a flatten into a dense layer, a slice across the split) all-gathers its
-operand first, and the report says where and why. Uneven splits pad the last slab and mask
-it; windows whose output slabs do not line up with the input slabs (10 rows over 4 devices
-into a stride-2 window) fetch the widest halo any device needs and dynamic-slice each
-device's rows at an offset from a partition-id table, as GSPMD does; `halo_fusion=k`
-exchanges a k-convolution-deep halo once and recomputes the overlap.
+explicit pads and slices along a split dimension become window padding of the convolution
+they feed or are fed by (Keras's ZeroPadding2D and its gradient), or run on slabs of their
+new size with per-device row fetches; anything else (a flatten into a dense layer, a strided
+slice across the split) all-gathers its operand first, and the report says where and why.
+Uneven splits pad the last slab and mask it; windows whose output slabs do not line up with
+the input slabs (10 rows over 4 devices into a stride-2 window) fetch the widest halo any
+device needs and dynamic-slice each device's rows at an offset from a partition-id table,
+as GSPMD does; `halo_fusion=k` exchanges a k-convolution-deep halo once and recomputes the
+overlap.
 docs/spatial_partitioning.md has the options, the report and the limits.
 """
 from __future__ import annotations
@@ -108,13 +111,17 @@ class SpatialPartitioning(HloPass):
         if module.num_partitions > 1 or module.replica_count > 1:
             raise self.fail("expects a single-device module (no num_partitions or replica_count)")
         CallInliner().run(module)
+        _fold_tuple_lookups(module.entry)
         _fold_padded_select_and_scatter(module.entry)
+        folds, refused_pads = _fold_pads_into_convolutions(module.entry)
+        folds += _fold_slices_into_convolutions(module.entry)
         mesh = self.device_mesh()
         splits = self._parameter_splits(module, mesh)
         partitioner = _Partitioner(self, module, mesh)
+        partitioner.refused_pads = refused_pads
         partitioner.run(splits)
         module.set_attr("num_partitions", mesh.size)
-        self.report = partitioner.report
+        self.report = folds + partitioner.report
         for entry in self.report:
             logger.info("%s", entry)
         return True
@@ -143,10 +150,7 @@ class SpatialPartitioning(HloPass):
         for conv in entry.instructions:
             if conv.opcode != "convolution":
                 continue
-            source = conv.operand(0)
-            while (source.opcode in ("convert", "copy", "reshape", "bitcast")
-                   and source.operand(0).shape.dims == source.shape.dims):  # TF reshapes its arguments
-                source = source.operand(0)
+            source = _image_source(conv.operand(0))
             shape = source.shape
             if (source.opcode == "parameter" and shape.is_array and shape.rank == 4
                     and shape.dtype in FLOAT_DTYPES):
@@ -405,9 +409,16 @@ class _Partitioner:
     def visit_slice(self, instr: HloInstruction):
         layout = self.values[instr.operand(0)][1]
         spec = instr.attrs["slice"]
+        shifted = {}
         for split in layout:
-            if spec.dims[split.dim] != (0, split.size, 1):
-                raise _Gather(f"the slice cuts split dimension {split.dim}")
+            start, limit, stride = spec.dims[split.dim]
+            if (start, limit, stride) == (0, split.size, 1):
+                continue
+            if stride != 1:
+                raise _Gather(f"the slice strides split dimension {split.dim}")
+            shifted[split.dim] = (start, limit - start)
+        if shifted:
+            return self.shift_rows(instr, shifted, self.b.constant(0, instr.shape.dtype))
         dims = tuple((0, s.extent, 1) if split_of(layout, d) and (s := split_of(layout, d)) else spec.dims[d]
                      for d in range(instr.shape.rank))
         return self.moved(instr, layout, slice=type(spec)(dims))
@@ -417,9 +428,59 @@ class _Partitioner:
         if self.values[instr.operand(1)][1]:
             raise _Gather("the padding value is split")
         config = instr.attrs["padding"]
-        if any(config.dims[s.dim] != (0, 0, 0) for s in layout):
-            raise _Gather("the pad widens a split dimension")
+        shifted = {}
+        for split in layout:
+            low, high, interior = config.dims[split.dim]
+            if (low, high, interior) == (0, 0, 0):
+                continue
+            if interior:
+                raise _Gather(f"the pad has interior padding along split dimension {split.dim}")
+            shifted[split.dim] = (-low, split.size + low + high)
+        if any(size < 1 for _, size in shifted.values()):
+            raise _Gather("the pad leaves no rows of a split dimension")
+        if shifted:
+            return self.shift_rows(instr, shifted, self.values[instr.operand(1)][0])
         return self.moved(instr, layout)
+
+    def shift_rows(self, instr: HloInstruction, shifted: dict, fill: HloInstruction):
+        """A pad or a slice that moves the rows of split dimensions: `shifted[dim] = (offset,
+        size)` says that row r of the result is row r + offset of the operand (a pad: -low; a
+        slice: its start) and that the result has `size` rows. The result is split into slabs
+        of ceil(size/N) rows, each device fetching the operand rows its slab holds (the
+        unaligned-window fetch: the widest halo any device needs, a per-device dynamic-slice)
+        with the rows outside the operand set to `fill`, the padding value: the first and last
+        slabs get the edge padding, the inner ones none. The op then runs on the dimensions
+        that are not split."""
+        operand = instr.operand(0)
+        halos, layout = {}, []
+        for split in self.values[operand][1]:
+            if split.dim not in shifted:
+                halos[split.dim] = (0, 0)
+                layout.append(split.slab())
+                continue
+            offset, size = shifted[split.dim]
+            parts = self.mesh.axes[split.axis]
+            local = slab_rows(size, parts)
+            halos[split.dim] = _Unaligned(RowRange(tuple(c * local + offset for c in range(parts)), local))
+            layout.append(Split(split.dim, split.axis, size, local))
+        value = self.halo_input(operand, instr, halos, fill, False)
+        why = self.refused_pads.get(instr.name)
+        self.note(instr.opcode, instr, ", ".join(
+            f"dimension {d}: rows [{offset}, {offset + size}) of %{operand.name} ({size} rows), fetched per device"
+            for d, (offset, size) in sorted(shifted.items()))
+            + (f" (not window padding of a convolution: {why})" if why else ""))
+        layout = tuple(layout)
+        if instr.opcode == "pad":
+            config = instr.attrs["padding"]
+            dims = tuple((0, 0, 0) if split_of(layout, d) else config.dims[d] for d in range(instr.shape.rank))
+            if all(d == (0, 0, 0) for d in dims):
+                return value, layout
+            return self.moved(instr, layout, [value, fill], padding=type(config)(dims))
+        spec = instr.attrs["slice"]
+        dims = tuple((0, s.local, 1) if (s := split_of(layout, d)) else spec.dims[d] for d in range(instr.shape.rank))
+        if all(d == (0, n, 1) for d, n in zip(dims, value.shape.dims)):
+            return value, layout
+        return self.moved(instr, layout, [value], slice=type(spec)(dims))
 
     def visit_concatenate(self, instr: HloInstruction):
         layout = self.merged_layout(instr)
@@ -775,6 +836,15 @@ class _Partitioner:
                           value.shape.with_dims(sizes), dynamic_slice_sizes=sizes)
 
 
+def _fold_tuple_lookups(comp) -> None:
+    """`get-tuple-element(tuple(a, b), 0)` becomes `a` (TF's single-output steps end in
+    `ROOT get-tuple-element(tuple(x))`; the tuple would gather `x`)."""
+    for lookup in list(comp.instructions):
+        if lookup.opcode == "get-tuple-element" and lookup.operand(0).opcode == "tuple":
+            lookup.replace_all_uses_with(lookup.operand(0).operand(lookup.attrs["index"]))
+    comp.remove_dead_code()
+
+
 def _fold_padded_select_and_scatter(comp) -> None:
     """`slice(select-and-scatter(pad(x, -inf), s))` that slices the padding off (how JAX writes
     the gradient of SAME max pooling) becomes `select-and-scatter(x, s)` with the padding in
@@ -806,6 +876,129 @@ def _fold_padded_select_and_scatter(comp) -> None:
                                       sliced.shape, name=scatter.name, attrs=attrs, after=sliced)
         sliced.replace_all_uses_with(folded)
     comp.remove_dead_code()
+
+
+def _image_source(value: HloInstruction) -> HloInstruction:
+    """Where a convolution's input comes from, seen through what keeps its dimensions in
+    order: identity reshapes, converts and copies (TF reshapes its arguments), an edge pad
+    (Keras's ZeroPadding2D) and elementwise ops whose other operands are broadcasts or
+    constants (Keras's Rescaling and Normalization). Only picks which parameter to split."""
+    while True:
+        if (value.opcode in ("convert", "copy", "reshape", "bitcast")
+                and value.operand(0).shape.dims == value.shape.dims):
+            value = value.operand(0)
+        elif value.opcode == "pad" and not any(interior for _, _, interior in value.attrs["padding"].dims):
+            value = value.operand(0)
+        elif value.opcode in ELEMENTWISE:
+            arrays = [o for o in value.operands if o.opcode not in ("broadcast", "constant")]
+            if len(arrays) != 1 or arrays[0].shape.dims != value.shape.dims:
+                return value
+            value = arrays[0]
+        else:
+            return value
+
+
+def _is_zero_scalar(instr: HloInstruction) -> bool:
+    """A scalar constant 0 (through converts and copies)."""
+    while instr.opcode in ("convert", "copy", "reshape", "bitcast") and not instr.operand(0).shape.dims:
+        instr = instr.operand(0)
+    return (instr.opcode == "constant" and instr.shape.is_array and not instr.shape.dims
+            and instr.literal is not None and not np.any(instr.literal.to_numpy()))
+
+
+def _zero_pad_refusal(padded: HloInstruction, spatial) -> str | None:
+    """Why `padded` (a pad) cannot become window padding of a convolution whose input
+    spatial dimensions are `spatial`; None when it can."""
+    config = padded.attrs["padding"].dims
+    if not _is_zero_scalar(padded.operand(1)):
+        return "its padding value is not a constant 0"
+    if any(config[d] != (0, 0, 0) for d in range(len(config)) if d not in spatial):
+        return "it pads a batch or feature dimension"
+    if any(config[d][2] for d in spatial):
+        return "it has interior padding"
+    return None
+
+
+def _fold_pads_into_convolutions(comp) -> tuple[list[SpatialReport], dict[str, str]]:
+    """`convolution(pad(x, 0), k)` with edge padding of the input's spatial dimensions only
+    (Keras's ZeroPadding2D before a VALID convolution) becomes `convolution(x, k)` with that
+    padding added to the window's: a window reads zeros there either way (`lo` explicit rows
+    sit `lo*lhs_dilate` positions deep in the dilated base; negative padding crops the same
+    rows). The explicit pad would widen the split dimension and force an all-gather; window
+    padding is what the halo arithmetic handles. Returns report lines and, per pad it could
+    not fold, why."""
+    notes, refused = [], {}
+    for conv in list(comp.instructions):
+        if conv.opcode != "convolution" or conv.operand(0).opcode != "pad" or conv.operand(1) is conv.operand(0):
+            continue
+        padded = conv.operand(0)
+        dn = conv.attrs["dim_labels"]
+        spatial = dn.input_spatial
+        reason = _zero_pad_refusal(padded, spatial)
+        if reason is not None:
+            refused[padded.name] = reason
+            continue
+        config = padded.attrs["padding"].dims
+        window = conv.attrs["window"]
+        dims = list(window.dimensions)
+        for index, d in enumerate(spatial):
+            lo, hi, _ = config[d]
+            wd = dims[index]
+            dims[index] = dataclasses.replace(wd, padding_low=wd.padding_low + lo * wd.base_dilation,
+                                              padding_high=wd.padding_high + hi * wd.base_dilation)
+        attrs = {k: v for k, v in conv.attrs.items() if k != "control-predecessors"}
+        attrs["window"] = type(window)(tuple(dims))
+        folded = comp.add_instruction("convolution", [padded.operand(0), conv.operand(1)], conv.shape,
+                                      name=conv.name, attrs=attrs, after=conv)
+        conv.replace_all_uses_with(folded)
+        padding = ", ".join(f"{config[d][0]}_{config[d][1]} of dimension {d}"
+                            for d in spatial if config[d] != (0, 0, 0))
+        notes.append(SpatialReport("fold", padded.name, f"zero padding {padding or 'none'} becomes window padding "
+                                   f"of %{folded.name}"))
+    comp.remove_dead_code()
+    return notes, refused
+
+
+def _fold_slices_into_convolutions(comp) -> list[SpatialReport]:
+    """`slice(convolution(x, k))` cutting only output spatial dimensions, with stride 1 (TF's
+    gradient of a pad: the input gradient of the padded input, sliced) becomes one
+    convolution whose window padding skips the cut rows: output row `o+a` reads positions
+    `(o+a)*stride + j*rd - pad_lo`, so `pad_lo` drops by `a*stride`, and `pad_hi` is what
+    makes `b-a` rows. The convolution must have no other user."""
+    notes = []
+    for sliced in list(comp.instructions):
+        conv = sliced.operand(0) if sliced.opcode == "slice" else None
+        if conv is None or conv.opcode != "convolution" or conv.users != [sliced] or comp.root is conv:
+            continue
+        spec = sliced.attrs["slice"].dims
+        dn = conv.attrs["dim_labels"]
+        spatial = dn.output_spatial
+        if any(stride != 1 for _, _, stride in spec):
+            continue
+        if any(spec[d] != (0, n, 1) for d, n in enumerate(conv.shape.dims) if d not in spatial):
+            continue
+        if all(spec[d] == (0, conv.shape.dims[d], 1) for d in spatial) or any(a >= b for a, b, _ in spec):
+            continue
+        window = conv.attrs["window"]
+        dims = list(window.dimensions)
+        for index, d in enumerate(spatial):
+            start, limit, _ = spec[d]
+            wd = dims[index]
+            span = (wd.size - 1) * wd.window_dilation + 1
+            base = (conv.operand(0).shape.dims[dn.input_spatial[index]] - 1) * wd.base_dilation + 1
+            low = wd.padding_low - start * wd.stride
+            high = (limit - start - 1) * wd.stride + span - low - base
+            dims[index] = dataclasses.replace(wd, padding_low=low, padding_high=high)
+        attrs = {k: v for k, v in conv.attrs.items() if k != "control-predecessors"}
+        attrs["window"] = type(window)(tuple(dims))
+        folded = comp.add_instruction("convolution", list(conv.operands), sliced.shape, name=conv.name,
+                                      attrs=attrs, after=sliced)
+        sliced.replace_all_uses_with(folded)
+        cut = ", ".join(f"[{spec[d][0]}:{spec[d][1]}] of dimension {d}" for d in spatial
+                        if spec[d] != (0, conv.shape.dims[d], 1))
+        notes.append(SpatialReport("fold", sliced.name, f"the slice {cut} becomes window padding of %{folded.name}"))
+    comp.remove_dead_code()
+    return notes
 
 
 def _halos(plans: dict) -> dict:
