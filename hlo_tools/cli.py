@@ -20,11 +20,11 @@ import importlib.metadata
 import os
 import signal
 import sys
-import tempfile
 import threading
 from contextlib import contextmanager
 
 import hlo_tools
+from hlo_tools.atomic_files import write_through_temp_file
 
 PROG = "hlo-tools"
 
@@ -150,16 +150,6 @@ def _same_file(a: str, b: str) -> bool:
     return os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)
 
 
-def _output_mode(out_path: str) -> int:
-    """Permissions for ``out_path``: those of the file it replaces, else the umask's default."""
-    try:
-        return os.stat(out_path).st_mode & 0o7777
-    except FileNotFoundError:
-        umask = os.umask(0)
-        os.umask(umask)
-        return 0o666 & ~umask
-
-
 def write_output(text: str, out_path: str | None, input_path: str) -> None:
     """Write ``text`` to stdout, or atomically to ``out_path`` (temp file + rename).
 
@@ -188,15 +178,7 @@ def write_atomically(path: str, text: str) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), directory)
-    fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=".hlo-tools-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
-        os.chmod(tmp_path, _output_mode(path))
-        os.replace(tmp_path, path)
-    except BaseException:
-        os.unlink(tmp_path)
-        raise
+    write_through_temp_file(path, lambda f: f.write(text), binary=False)
 
 
 def package_version() -> str:

@@ -71,6 +71,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from hlo_tools.atomic_files import write_through_temp_file
+
 __all__ = [
     "RunError", "RunResult", "OutputComparison", "Comparison", "ModuleRef",
     "run_module", "compare_modules", "compare_outputs", "random_inputs",
@@ -648,28 +650,9 @@ def save_arrays(path: str, arrays: Sequence[np.ndarray], prefix: str = "out") ->
             with open(path, "wb") as f:
                 f.write(archive.getbuffer())
             return
-        directory = os.path.dirname(os.path.abspath(path))
-        fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=".hlo-tools-", suffix=".npz.tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, **named)
-            os.chmod(tmp_path, _new_file_mode(path))
-            os.replace(tmp_path, path)
-        except BaseException:
-            os.unlink(tmp_path)
-            raise
+        write_through_temp_file(path, lambda f: np.savez(f, **named), binary=True, suffix=".npz.tmp")
     except OSError as exc:
         raise RunError(f"{path}: {exc.strerror or exc}") from exc
-
-
-def _new_file_mode(path: str) -> int:
-    """Permissions for a file written over ``path``: those it has, else the umask's default."""
-    try:
-        return os.stat(path).st_mode & 0o7777
-    except FileNotFoundError:
-        umask = os.umask(0)
-        os.umask(umask)
-        return 0o666 & ~umask
 
 
 def _check_inputs(inputs: Sequence[np.ndarray], expected, what: str) -> list[np.ndarray]:

@@ -97,6 +97,11 @@ def reducer_key(instr: HloInstruction) -> tuple | None:
     return computation_key(reducer) if isinstance(reducer, HloComputation) else None
 
 
+# Reducers that are one associative, commutative elementwise op: an all-reduce rewritten into
+# steps that sum in another order (rings, trees) gives the same result, floats up to rounding.
+ORDER_FREE_REDUCERS = ("add", "multiply", "maximum", "minimum", "and", "or", "xor")
+
+
 def reducer_opcode(reducer: HloComputation) -> str | None:
     """`add` for `ROOT add(p0, p1)` over two scalar parameters, and so on; None otherwise."""
     root = reducer.root

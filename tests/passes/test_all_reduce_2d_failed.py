@@ -19,36 +19,14 @@ import hlo_tools
 import xla_passes
 from hlo_tools import runner
 from hlo_tools.topology import Topology
+from pass_testing import reducer
 from xla_passes.core import PassError
 from xla_passes.passes.all_reduce_2d_fault_tolerant import ReductionTree, TreeSchedule
 
 FLOAT_BOUND = 1e-5
 
-REDUCERS = """
-add {
-  a = f32[] parameter(0)
-  b = f32[] parameter(1)
-  ROOT c = f32[] add(a, b)
-}
-
-max {
-  a = f32[] parameter(0)
-  b = f32[] parameter(1)
-  ROOT c = f32[] maximum(a, b)
-}
-
-mul {
-  a = f32[] parameter(0)
-  b = f32[] parameter(1)
-  ROOT c = f32[] multiply(a, b)
-}
-
-iadd {
-  a = s32[] parameter(0)
-  b = s32[] parameter(1)
-  ROOT c = s32[] add(a, b)
-}
-"""
+REDUCERS = (reducer("add", "f32", "add") + reducer("max", "f32", "maximum") + reducer("mul", "f32", "multiply")
+            + reducer("iadd", "s32", "add"))
 
 # 35 elements need padding for every chip count here; the tuple is one buffer of 33; the while
 # body reduces three times; max checks that no padding or zero from a non-target is reduced in.

@@ -6,19 +6,16 @@ the rewritten modules run next to the originals: bit-exact on the default small-
 on random normal inputs.
 """
 
-import string
-
-import jax
 import ml_dtypes
 import numpy as np
 import pytest
 
 import hlo_tools
-import real_programs
 import xla_passes
 import xla_passes.jax
 from hlo_tools import xla_bridge
-from pass_testing import run_and_compare
+from pass_testing import (normal_inputs, per_device_input_shapes, per_device_program, replica_input_shapes,
+                          replica_program, run_and_compare, shard_map_step_outputs)
 from xla_passes.replica_groups import (DeviceCounts, GroupMode, group_mode, mesh_rows_and_columns, parse_mesh,
                                        participant_groups)
 
@@ -26,7 +23,8 @@ ALL = "{{0,1,2,3,4,5,6,7}}"
 HALVES = "{{0,1,2,3},{4,5,6,7}}"
 STRIDED = "{{0,2,4,6},{1,3,5,7}}"
 
-# (groups, pipeline) pairs that rewrite every all-reduce over those groups in the programs below.
+# (groups, pipeline) pairs that rewrite every all-reduce over those groups in pass_testing's
+# replica_program and per_device_program on 8 devices.
 REWRITES = [
     (ALL, "all-reduce-decomposer"), (ALL, "all-reduce-2d{mesh=2x4}"), (ALL, "all-reduce-2d{mesh=4x2}"),
     (HALVES, "all-reduce-decomposer"), (HALVES, "all-reduce-2d{mesh=2x2}"),
@@ -37,76 +35,7 @@ FLOAT_REWRITES = [(ALL, "all-reduce-2d{mesh=2x4}"), (STRIDED, "all-reduce-2d{mes
 # Error bounds for random normal inputs: f32 within a few ulps of reassociation; bf16 rounds
 # every partial sum to 8 bits, so one ulp of a sum of 8 is up to 2**-4 below 16.
 BOUNDS = {"f32": (1e-5, 1e-5), "bf16": (2.0 ** -4, 2e-2)}
-
-REDUCERS = """
-add {
-  a = $t[] parameter(0)
-  b = $t[] parameter(1)
-  ROOT c = $t[] add(a, b)
-}
-
-max {
-  a = $t[] parameter(0)
-  b = $t[] parameter(1)
-  ROOT c = $t[] maximum(a, b)
-}
-"""
-
-# 15 and 7 elements need padding for every group size above 1, the tuple is 33 elements, the
-# while body sums three times, and maximum checks that the padding never meets real values.
-REPLICA_PROGRAM = string.Template("""HloModule replica_sums, replica_count=8
-""" + REDUCERS + """
-cond {
-  s = (s32[], $t[3]) parameter(0)
-  i = s32[] get-tuple-element(s), index=0
-  n = s32[] constant(3)
-  ROOT lt = pred[] compare(i, n), direction=LT
-}
-
-body {
-  s = (s32[], $t[3]) parameter(0)
-  i = s32[] get-tuple-element(s), index=0
-  x = $t[3] get-tuple-element(s), index=1
-  one = s32[] constant(1)
-  next = s32[] add(i, one)
-  sum = $t[3] all-reduce(x), replica_groups=$groups, to_apply=add
-  ROOT t = (s32[], $t[3]) tuple(next, sum)
-}
-
-ENTRY main {
-  p = $t[5,3] parameter(0)
-  q = $t[4,8] parameter(1)
-  s = $t[] parameter(2)
-  m = $t[7] parameter(3)
-  ar = $t[5,3] all-reduce(p), replica_groups=$groups, to_apply=add
-  pair = ($t[4,8], $t[]) all-reduce(q, s), replica_groups=$groups, to_apply=add
-  q_sum = $t[4,8] get-tuple-element(pair), index=0
-  s_sum = $t[] get-tuple-element(pair), index=1
-  largest = $t[7] all-reduce(m), replica_groups=$groups, to_apply=max
-  zero = s32[] constant(0)
-  m3 = $t[3] slice(m), slice={[0:3]}
-  init = (s32[], $t[3]) tuple(zero, m3)
-  w = (s32[], $t[3]) while(init), condition=cond, body=body
-  looped = $t[3] get-tuple-element(w), index=1
-  ROOT out = ($t[5,3], $t[4,8], $t[], $t[7], $t[3]) tuple(ar, q_sum, s_sum, largest, looped)
-}
-""")
-REPLICA_INPUT_SHAPES = [(8, 5, 3), (8, 4, 8), (8,), (8, 7)]  # one slice per replica
-
-# A per-device module of 8 partitions: `flat` sums over global device ids; `every` has a
-# channel but no use_global_device_ids, so {{0}} is replica 0 with all 8 partitions. The
-# outputs are tiled, so every device's result is compared.
-PER_DEVICE_PROGRAM = string.Template("""HloModule per_device_sums, num_partitions=8
-""" + REDUCERS + """
-ENTRY main {
-  p = $t[5,3] parameter(0), sharding={devices=[8,1]<=[8]}
-  h = $t[6] parameter(1), sharding={devices=[8]<=[8]}
-  flat = $t[5,3] all-reduce(p), channel_id=1, replica_groups=$groups, use_global_device_ids=true, to_apply=add
-  every = $t[6] all-reduce(h), channel_id=2, replica_groups={{0}}, to_apply=max
-  ROOT out = ($t[5,3], $t[6]) tuple(flat, every), sharding={{devices=[8,1]<=[8]}, {devices=[8]<=[8]}}
-}
-""")
-PER_DEVICE_INPUT_SHAPES = [(40, 3), (48,)]  # global arrays
+NUMPY_TYPES = {"f32": np.float32, "bf16": ml_dtypes.bfloat16}
 
 
 def collective_counts(module) -> dict[str, int]:
@@ -114,12 +43,6 @@ def collective_counts(module) -> dict[str, int]:
     for instr in module.instructions():
         counts[instr.opcode] = counts.get(instr.opcode, 0) + 1
     return {op: counts.get(op, 0) for op in ("all-reduce", "reduce-scatter", "all-gather")}
-
-
-def normal_inputs(shapes, dtype: str):
-    rng = np.random.default_rng(0)
-    numpy_type = {"f32": np.float32, "bf16": ml_dtypes.bfloat16}[dtype]
-    return [rng.standard_normal(shape).astype(numpy_type) for shape in shapes]
 
 
 # --- the group algebra ----------------------------------------------------------------------------
@@ -193,7 +116,7 @@ ENTRY main {
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 @pytest.mark.parametrize("groups,passes", REWRITES + [("{}", "all-reduce-2d{mesh=2x4}")])
 def test_replica_program_bit_exact(groups, passes, dtype):
-    text = REPLICA_PROGRAM.substitute(t=dtype, groups=groups)
+    text = replica_program(dtype, 8, groups)
     module = run_and_compare(text, passes, num_replicas=8)
     middle = 0 if passes == "all-reduce-decomposer" else 4
     assert collective_counts(module) == {"all-reduce": middle, "reduce-scatter": 4, "all-gather": 4}
@@ -202,16 +125,17 @@ def test_replica_program_bit_exact(groups, passes, dtype):
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 @pytest.mark.parametrize("groups,passes", FLOAT_REWRITES)
 def test_replica_program_float_inputs(groups, passes, dtype):
-    text = REPLICA_PROGRAM.substitute(t=dtype, groups=groups)
+    text = replica_program(dtype, 8, groups)
     abs_bound, rel_bound = BOUNDS[dtype]
-    run_and_compare(text, passes, num_replicas=8, inputs=normal_inputs(REPLICA_INPUT_SHAPES, dtype), exact=False,
-                    abs_error_bound=abs_bound, rel_error_bound=rel_bound)
+    inputs = normal_inputs(replica_input_shapes(8), NUMPY_TYPES[dtype])
+    run_and_compare(text, passes, num_replicas=8, inputs=inputs, exact=False, abs_error_bound=abs_bound,
+                    rel_error_bound=rel_bound)
 
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 @pytest.mark.parametrize("groups,passes", REWRITES)
 def test_per_device_program_bit_exact(groups, passes, dtype):
-    text = PER_DEVICE_PROGRAM.substitute(t=dtype, groups=groups)
+    text = per_device_program(dtype, 8, groups)
     module = run_and_compare(text, passes, num_partitions=8)
     # `every` (8 devices) does not fit a 2x2 mesh and stays.
     rewritten = 1 if passes.endswith("{mesh=2x2}") else 2
@@ -223,23 +147,14 @@ def test_per_device_program_bit_exact(groups, passes, dtype):
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 @pytest.mark.parametrize("groups,passes", FLOAT_REWRITES)
 def test_per_device_program_float_inputs(groups, passes, dtype):
-    text = PER_DEVICE_PROGRAM.substitute(t=dtype, groups=groups)
+    text = per_device_program(dtype, 8, groups)
     abs_bound, rel_bound = BOUNDS[dtype]
-    run_and_compare(text, passes, num_partitions=8, inputs=normal_inputs(PER_DEVICE_INPUT_SHAPES, dtype),
-                    exact=False, abs_error_bound=abs_bound, rel_error_bound=rel_bound)
+    inputs = normal_inputs(per_device_input_shapes(8), NUMPY_TYPES[dtype])
+    run_and_compare(text, passes, num_partitions=8, inputs=inputs, exact=False, abs_error_bound=abs_bound,
+                    rel_error_bound=rel_bound)
 
 
 # --- a real JAX program, rewritten where XLA's pass hook hands modules over --------------------------
-
-def shard_map_step_outputs() -> list[np.ndarray]:
-    """The data-parallel shard_map MLP step (psum of gradients) on fixed random inputs; a fresh
-    function each time, so XLA compiles it again (under whatever passes are enabled)."""
-    fn, args = real_programs.shard_map_mlp_step()
-    leaves, tree = jax.tree.flatten(args)
-    rng = np.random.default_rng(0)
-    placed = [jax.device_put(rng.standard_normal(a.shape).astype(a.dtype), a.sharding) for a in leaves]
-    return [np.asarray(o) for o in jax.tree.leaves(fn(*jax.tree.unflatten(tree, placed)))]
-
 
 @pytest.mark.parametrize("passes", ["all-reduce-2d{mesh=2x4}", "all-reduce-decomposer"])
 def test_shard_map_gradients_inside_xla(passes, tmp_path):

@@ -12,17 +12,18 @@ error (f32 reassociation) on random normal inputs. 16-device runs go to a child 
 import string
 from collections import Counter
 
-import jax
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
 import hlo_tools
-import real_programs
 import xla_passes
 import xla_passes.jax
 from hlo_tools import runner
 from hlo_tools.topology import Topology
+from pass_testing import (PER_DEVICE_PROGRAM_ALL_REDUCES, REDUCERS, REPLICA_PROGRAM_ALL_REDUCES, normal_inputs,
+                          per_device_input_shapes, per_device_program, reducer, replica_input_shapes, replica_program,
+                          run_and_compare, shard_map_step_outputs)
 from xla_passes.passes.all_reduce_rings import directed_links, disjoint_rings
 
 # (topology, the most rings over disjoint links it gives) for the constructions in the pass.
@@ -31,99 +32,14 @@ MOST_RINGS = [("ring:2", 1), ("ring:3", 2), ("ring:8", 2), ("torus:2x2", 2), ("t
               ("mesh:2x2", 2), ("mesh:2x3", 2), ("mesh:3x4", 2), ("mesh:4x4", 2)]
 F32_BOUND = 1e-5  # f32 sums of 8 or 16 normal values added in another order: a few ulps
 
-REDUCERS = """
-add {
-  a = $t[] parameter(0)
-  b = $t[] parameter(1)
-  ROOT c = $t[] add(a, b)
-}
-
-max {
-  a = $t[] parameter(0)
-  b = $t[] parameter(1)
-  ROOT c = $t[] maximum(a, b)
-}
-"""
-
-# 15 and 7 elements need padding, the tuple is 33 elements in one buffer, the while body sums
-# three times, and maximum checks that the padding never meets real values.
-REPLICA_PROGRAM = string.Template("""HloModule replica_sums, replica_count=$n
-""" + REDUCERS + """
-cond {
-  s = (s32[], $t[3]) parameter(0)
-  i = s32[] get-tuple-element(s), index=0
-  n = s32[] constant(3)
-  ROOT lt = pred[] compare(i, n), direction=LT
-}
-
-body {
-  s = (s32[], $t[3]) parameter(0)
-  i = s32[] get-tuple-element(s), index=0
-  x = $t[3] get-tuple-element(s), index=1
-  one = s32[] constant(1)
-  next = s32[] add(i, one)
-  sum = $t[3] all-reduce(x), replica_groups={}, to_apply=add
-  ROOT t = (s32[], $t[3]) tuple(next, sum)
-}
-
-ENTRY main {
-  p = $t[5,3] parameter(0)
-  q = $t[4,8] parameter(1)
-  s = $t[] parameter(2)
-  m = $t[7] parameter(3)
-  ar = $t[5,3] all-reduce(p), replica_groups={}, to_apply=add
-  pair = ($t[4,8], $t[]) all-reduce(q, s), replica_groups={}, to_apply=add
-  q_sum = $t[4,8] get-tuple-element(pair), index=0
-  s_sum = $t[] get-tuple-element(pair), index=1
-  largest = $t[7] all-reduce(m), replica_groups={}, to_apply=max
-  zero = s32[] constant(0)
-  m3 = $t[3] slice(m), slice={[0:3]}
-  init = (s32[], $t[3]) tuple(zero, m3)
-  w = (s32[], $t[3]) while(init), condition=cond, body=body
-  looped = $t[3] get-tuple-element(w), index=1
-  ROOT out = ($t[5,3], $t[4,8], $t[], $t[7], $t[3]) tuple(ar, q_sum, s_sum, largest, looped)
-}
-""")
-REPLICA_ALL_REDUCES = 4
-
-
-def replica_input_shapes(n):
-    return [(n, 5, 3), (n, 4, 8), (n,), (n, 7)]  # one slice per replica
-
-
-# A per-device module of n partitions: `flat` sums over global device ids; `every` has a channel
-# but no use_global_device_ids, so {{0}} is replica 0 with all n partitions. The outputs are
-# tiled, so every device's result is compared.
-PER_DEVICE_PROGRAM = string.Template("""HloModule per_device_sums, num_partitions=$n
-""" + REDUCERS + """
-ENTRY main {
-  p = $t[5,3] parameter(0), sharding={devices=[$n,1]<=[$n]}
-  h = $t[6] parameter(1), sharding={devices=[$n]<=[$n]}
-  flat = $t[5,3] all-reduce(p), channel_id=1, replica_groups=[1,$n]<=[$n], use_global_device_ids=true, to_apply=add
-  every = $t[6] all-reduce(h), channel_id=2, replica_groups={{0}}, to_apply=max
-  ROOT out = ($t[5,3], $t[6]) tuple(flat, every), sharding={{devices=[$n,1]<=[$n]}, {devices=[$n]<=[$n]}}
-}
-""")
-PER_DEVICE_ALL_REDUCES = 2
-
-
-def per_device_input_shapes(n):
-    return [(5 * n, 3), (6 * n,)]  # global arrays
-
 
 def rewrite_and_compare(text: str, passes: str, devices: int, *, replicas: bool, inputs=None,
                         exact: bool = True) -> hlo_tools.HloModule:
     """Run `passes` on `text` (it must change it), run both modules on `devices` CPU devices (in
     a child process above the 8 this process has) and assert the same outputs."""
-    module = hlo_tools.parse_module(text)
-    assert xla_passes.run_passes(module, passes)
     counts = {"num_replicas": devices} if replicas else {"num_partitions": devices}
-    bound = 0.0 if exact else F32_BOUND
-    result, reference, comparison = runner.compare_modules(
-        module.to_text(), text, inputs, **counts, **{f"reference_{key}": value for key, value in counts.items()},
-        abs_error_bound=bound, rel_error_bound=bound, isolate=devices > 8)
-    assert comparison.ok, f"{passes} changed the results:\n{comparison.format()}"
-    return module
+    return run_and_compare(text, passes, **counts, inputs=inputs, exact=exact, abs_error_bound=F32_BOUND,
+                           rel_error_bound=F32_BOUND, isolate=devices > 8)
 
 
 def assert_permutes_ride_the_rings(module: hlo_tools.HloModule, topology_spec: str, rings: int, all_reduces: int):
@@ -146,21 +62,6 @@ def assert_permutes_ride_the_rings(module: hlo_tools.HloModule, topology_spec: s
         assert len(cycle) == devices, f"{pairs} is not one cycle through all devices"
         assert not links & set(pairs), f"{pairs} shares a link with another ring"
         links |= set(pairs)
-
-
-def shard_map_step_outputs() -> list[np.ndarray]:
-    """The data-parallel shard_map MLP step on fixed random inputs; a fresh function each time,
-    so XLA compiles it again (under whatever passes are enabled)."""
-    fn, args = real_programs.shard_map_mlp_step()
-    leaves, tree = jax.tree.flatten(args)
-    rng = np.random.default_rng(0)
-    placed = [jax.device_put(rng.standard_normal(a.shape).astype(a.dtype), a.sharding) for a in leaves]
-    return [np.asarray(o) for o in jax.tree.leaves(fn(*jax.tree.unflatten(tree, placed)))]
-
-
-def normal_inputs(shapes):
-    rng = np.random.default_rng(0)
-    return [rng.standard_normal(shape).astype(np.float32) for shape in shapes]
 
 
 # --- the rings ---------------------------------------------------------------------------------------
@@ -212,9 +113,9 @@ def test_impossible_rings_fail_when_the_pass_is_built(passes, message):
 @pytest.mark.parametrize("topology,rings", [("ring:8", 1), ("ring:8", 2), ("torus:2x4", 2), ("mesh:2x4", 2)])
 def test_replica_program_on_8_devices(topology, rings, dtype):
     passes = f"all-reduce-rings{{rings={rings},topology={topology}}}"
-    module = rewrite_and_compare(REPLICA_PROGRAM.substitute(t=dtype, n=8), passes, 8, replicas=True)
+    module = rewrite_and_compare(replica_program(dtype, 8), passes, 8, replicas=True)
     assert not any(i.opcode == "all-reduce" for i in module.instructions())
-    assert_permutes_ride_the_rings(module, topology, rings, REPLICA_ALL_REDUCES)
+    assert_permutes_ride_the_rings(module, topology, rings, REPLICA_PROGRAM_ALL_REDUCES)
     assert all("channel_id" not in i.attrs for i in module.instructions() if i.opcode == "collective-permute")
 
 
@@ -222,8 +123,8 @@ def test_replica_program_on_8_devices(topology, rings, dtype):
 @pytest.mark.parametrize("topology,rings", [("ring:8", 2), ("torus:2x4", 1)])
 def test_per_device_program_on_8_devices(topology, rings, dtype):
     passes = f"all-reduce-rings{{rings={rings},topology={topology}}}"
-    module = rewrite_and_compare(PER_DEVICE_PROGRAM.substitute(t=dtype, n=8), passes, 8, replicas=False)
-    assert_permutes_ride_the_rings(module, topology, rings, PER_DEVICE_ALL_REDUCES)
+    module = rewrite_and_compare(per_device_program(dtype, 8), passes, 8, replicas=False)
+    assert_permutes_ride_the_rings(module, topology, rings, PER_DEVICE_PROGRAM_ALL_REDUCES)
     channels = [i.attrs["channel_id"] for i in module.instructions() if i.opcode == "collective-permute"]
     assert sorted(channels) == list(range(3, 3 + len(channels)))  # fresh, above the module's 1 and 2
 
@@ -249,9 +150,9 @@ ENTRY main {{
 @pytest.mark.parametrize("topology", ["ring:8", "torus:2x4"])
 def test_float_inputs_within_reassociation(topology):
     passes = f"all-reduce-rings{{rings=2,topology={topology}}}"
-    rewrite_and_compare(REPLICA_PROGRAM.substitute(t="f32", n=8), passes, 8, replicas=True,
+    rewrite_and_compare(replica_program("f32", 8), passes, 8, replicas=True,
                         inputs=normal_inputs(replica_input_shapes(8)), exact=False)
-    rewrite_and_compare(PER_DEVICE_PROGRAM.substitute(t="f32", n=8), passes, 8, replicas=False,
+    rewrite_and_compare(per_device_program("f32", 8), passes, 8, replicas=False,
                         inputs=normal_inputs(per_device_input_shapes(8)), exact=False)
 
 
@@ -259,15 +160,15 @@ def test_float_inputs_within_reassociation(topology):
 @pytest.mark.parametrize("topology,rings", [("torus:4x4", 2), ("torus:4x4", 4), ("mesh:4x4", 2)])
 def test_16_devices(topology, rings, dtype):
     passes = f"all-reduce-rings{{rings={rings},topology={topology}}}"
-    module = rewrite_and_compare(REPLICA_PROGRAM.substitute(t=dtype, n=16), passes, 16, replicas=True)
-    assert_permutes_ride_the_rings(module, topology, rings, REPLICA_ALL_REDUCES)
-    module = rewrite_and_compare(PER_DEVICE_PROGRAM.substitute(t=dtype, n=16), passes, 16, replicas=False)
-    assert_permutes_ride_the_rings(module, topology, rings, PER_DEVICE_ALL_REDUCES)
+    module = rewrite_and_compare(replica_program(dtype, 16), passes, 16, replicas=True)
+    assert_permutes_ride_the_rings(module, topology, rings, REPLICA_PROGRAM_ALL_REDUCES)
+    module = rewrite_and_compare(per_device_program(dtype, 16), passes, 16, replicas=False)
+    assert_permutes_ride_the_rings(module, topology, rings, PER_DEVICE_PROGRAM_ALL_REDUCES)
 
 
 def test_16_devices_float_inputs():
     passes = "all-reduce-rings{rings=4,topology=torus:4x4}"
-    rewrite_and_compare(PER_DEVICE_PROGRAM.substitute(t="f32", n=16), passes, 16, replicas=False,
+    rewrite_and_compare(per_device_program("f32", 16), passes, 16, replicas=False,
                         inputs=normal_inputs(per_device_input_shapes(16)), exact=False)
 
 
@@ -301,20 +202,7 @@ def test_any_sizes_and_rings_give_the_same_sums(topology, dtype, reducer, shapes
 
 # --- what is left alone ---------------------------------------------------------------------------------
 
-HEADER = """HloModule m$header
-
-add {
-  a = f32[] parameter(0)
-  b = f32[] parameter(1)
-  ROOT c = f32[] add(a, b)
-}
-
-sub {
-  a = f32[] parameter(0)
-  b = f32[] parameter(1)
-  ROOT c = f32[] subtract(a, b)
-}
-
+HEADER = "HloModule m$header\n" + reducer("add", "f32", "add") + reducer("sub", "f32", "subtract") + """
 ENTRY main {
   p = f32[16] parameter(0)
   ROOT ar = f32[16] all-reduce(p), $attrs

@@ -87,18 +87,12 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 
-import numpy as np
-
-from hlo_tools import HloInstruction, Literal, PaddingConfig, Shape, SliceSpec
+from hlo_tools import HloInstruction, Literal, Shape
 from hlo_tools.topology import Topology
 
-from ..collectives import flat_buffer, flat_vector, reducer_opcode, result_shapes, split_flat_buffer
+from ..collectives import ORDER_FREE_REDUCERS, flat_vector, reducer_opcode
 from ..replica_groups import DeviceCounts, GroupMode, group_mode, participant_groups
-from .all_reduce_decomposer import _PROVENANCE_ATTRS, _ZERO, ChannelIds
-
-# Reducers that are one associative, commutative elementwise op: any tree order gives the same
-# result (up to float rounding).
-TREE_REDUCERS = ("add", "multiply", "maximum", "minimum", "and", "or", "xor")
+from .all_reduce_decomposer import AllReduceReplacementBuilder, ChannelIds
 
 Pairs = tuple[tuple[int, int], ...]
 
@@ -210,8 +204,8 @@ class TreeSchedule:
 def misfit(all_reduce: HloInstruction, topology: Topology, counts: DeviceCounts) -> str:
     """Why `all_reduce` cannot be rewritten onto `topology`'s healthy chips ("" when it can)."""
     reducer = reducer_opcode(all_reduce.attrs["to_apply"])
-    if reducer not in TREE_REDUCERS:
-        return f"the reducer is not one elementwise {', '.join(TREE_REDUCERS)}"
+    if reducer not in ORDER_FREE_REDUCERS:
+        return f"the reducer is not one elementwise {', '.join(ORDER_FREE_REDUCERS)}"
     if reducer in ("add", "multiply") and all_reduce.operand(0).shape.dtype == "pred":
         return f"a {reducer} of pred (XLA backends disagree on what it is)"
     groups = participant_groups(all_reduce, counts)
@@ -233,28 +227,19 @@ def misfit(all_reduce: HloInstruction, topology: Topology, counts: DeviceCounts)
     return ""
 
 
-class TreeAllReduceBuilder:
-    """Builds the tree form of one all-reduce next to it and puts it in the all-reduce's place."""
+class TreeAllReduceBuilder(AllReduceReplacementBuilder):
+    """Builds the tree form of one all-reduce next to it and puts it in the all-reduce's place
+    (permutes over replica ids for a cross-replica all-reduce, else over partition ids)."""
 
     def __init__(self, all_reduce: HloInstruction, tree: ReductionTree, channel_ids: ChannelIds):
-        self.all_reduce = all_reduce
+        super().__init__(all_reduce, channel_ids)
         self.tree = tree
-        self.channel_ids = channel_ids
-        self.cross_replica = group_mode(all_reduce) is GroupMode.CROSS_REPLICA
-        self.reducer = reducer_opcode(all_reduce.attrs["to_apply"])
-        self.provenance = {key: value for key, value in all_reduce.attrs.items() if key in _PROVENANCE_ATTRS}
-
-    def add(self, opcode: str, operands, shape: Shape | None = None, *, role: str | None = None, literal=None,
-            **attrs) -> HloInstruction:
-        return self.all_reduce.parent.add_instruction(
-            opcode, operands, shape, name=f"{self.all_reduce.name}.{role or opcode}",
-            attrs={**attrs, **self.provenance}, literal=literal, before=self.all_reduce)
 
     def replace(self) -> TreeSchedule:
         """Replace the all-reduce; return the schedule it now runs."""
-        all_reduce, tree = self.all_reduce, self.tree
-        dtype = all_reduce.operand(0).shape.dtype
-        buffer = flat_buffer(all_reduce.operands, self.add)
+        tree = self.tree
+        dtype = self.all_reduce.operand(0).shape.dtype
+        buffer = self.flat_buffer()
         size = buffer.shape.dims[0]
         schedule = TreeSchedule(tree, min(len(tree.depth), size))
         chunks, height, rounds = schedule.chunks, tree.height, schedule.rounds
@@ -262,12 +247,8 @@ class TreeAllReduceBuilder:
 
         # Slot i of the partial sums of a device at depth d is chunk i - D + d: a window of T slots
         # into the buffer with D chunks of padding before it and 2D - 1 (plus the rounding) after.
-        scalar = Shape.array(dtype, ())
-        zero = self.add("constant", (), scalar, role="zero", literal=Literal.parse(scalar, _ZERO.get(dtype, "0")))
-        padded = self.add("pad", [buffer, zero], padding=PaddingConfig(
-            ((height * chunk, (rounds - chunks) * chunk + chunks * chunk - size, 0),)))
-        device = self.add("convert", [self.add("replica-id" if self.cross_replica else "partition-id", [],
-                                               Shape.array("u32", ()))], Shape.array("s32", ()), role="device")
+        padded = self.pad(buffer, height * chunk, (rounds - chunks) * chunk + chunks * chunk - size)
+        device = self.device_id()
         depth = self.lookup(device, tree.depth, "depth")
         chunk_size = self.s32(chunk, "chunk-size")
         window = self.add("dynamic-slice", [padded, self.add("multiply", [depth, chunk_size], role="offset")],
@@ -276,8 +257,7 @@ class TreeAllReduceBuilder:
 
         def slot(i: int) -> HloInstruction:
             if i not in partial:
-                partial[i] = self.add("slice", [window], flat_vector(dtype, chunk), role=f"slot{i}",
-                                      slice=SliceSpec(((i * chunk, (i + 1) * chunk, 1),)))
+                partial[i] = self.slice(window, i * chunk, chunk, f"slot{i}")
             return partial[i]
 
         is_root = self.add("compare", [depth, self.s32(0, "zero-depth")], Shape.array("pred", ()),
@@ -319,25 +299,12 @@ class TreeAllReduceBuilder:
         reduced = self.add("select", [self.broadcast(is_root, chunks * chunk, "is-root.result"), root_result, others],
                            role="reduced")
 
-        results = split_flat_buffer(reduced, result_shapes(all_reduce), self.add)
-        replacement = self.add("tuple", results) if all_reduce.shape.is_tuple else results[0]
-        if "sharding" in all_reduce.attrs:
-            replacement.attrs["sharding"] = all_reduce.attrs["sharding"]
-        all_reduce.replace_all_uses_with(replacement)
-        all_reduce.parent.remove_instruction(all_reduce)
+        self.put_in_place(reduced)
         return schedule
 
     def s32(self, value: int, role: str) -> HloInstruction:
         shape = Shape.array("s32", ())
         return self.add("constant", (), shape, role=role, literal=Literal.parse(shape, str(value)))
-
-    def lookup(self, device: HloInstruction, values, role: str) -> HloInstruction:
-        """`values[device]` (s32), read from a constant table."""
-        literal = Literal.from_numpy(np.array(values, np.int32))
-        table = self.add("constant", [], literal.shape, role=f"{role}.table", literal=literal)
-        entry = self.add("dynamic-slice", [table, device], flat_vector("s32", 1), role=f"{role}.lookup",
-                         dynamic_slice_sizes=(1,))
-        return self.add("reshape", [entry], Shape.array("s32", ()), role=role)
 
     def compare(self, value: HloInstruction, constant: int, direction: str, role: str) -> HloInstruction:
         return self.add("compare", [value, self.s32(constant, f"{role}.bound")], Shape.array("pred", ()),
@@ -345,10 +312,3 @@ class TreeAllReduceBuilder:
 
     def broadcast(self, scalar: HloInstruction, size: int, role: str) -> HloInstruction:
         return self.add("broadcast", [scalar], flat_vector(scalar.shape.dtype, size), role=role, dimensions=())
-
-    def concatenate(self, pieces: list[HloInstruction], role: str) -> HloInstruction:
-        return pieces[0] if len(pieces) == 1 else self.add("concatenate", pieces, role=role, dimensions=(0,))
-
-    def permute(self, chunk: HloInstruction, pairs: Pairs, role: str) -> HloInstruction:
-        channel = {} if self.cross_replica else {"channel_id": self.channel_ids.fresh()}
-        return self.add("collective-permute", [chunk], chunk.shape, role=role, **channel, source_target_pairs=pairs)

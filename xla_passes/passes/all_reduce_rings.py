@@ -65,35 +65,31 @@ from __future__ import annotations
 
 from math import gcd
 
-import numpy as np
-
-from hlo_tools import HloInstruction, HloModule, Literal, PaddingConfig, Shape, SliceSpec
-from hlo_tools.shape import COMPLEX_DTYPES
+from hlo_tools import HloInstruction, HloModule
 from hlo_tools.topology import Coordinate, Topology
 
-from ..collectives import flat_buffer, flat_vector, reducer_opcode, result_shapes, split_flat_buffer
+from ..collectives import ORDER_FREE_REDUCERS, reducer_opcode
 from ..core import HloPass, register_pass
 from ..replica_groups import DeviceCounts, GroupMode, group_mode, participant_groups
-from .all_reduce_decomposer import ChannelIds, decomposable_all_reduces
+from .all_reduce_decomposer import AllReduceReplacementBuilder, ChannelIds, decomposable_all_reduces
 
 # Devices in ring order: ring[i] sends to ring[(i + 1) % len(ring)].
 Ring = tuple[int, ...]
 
 # What the ring's collective-permutes pair (see `permute_space`).
 REPLICAS, PARTITIONS = "replicas", "partitions"
-# Reducers a ring may apply in any order: associative and commutative (floats up to rounding).
-RING_REDUCERS = ("add", "multiply", "maximum", "minimum", "and", "or", "xor")
-# Attributes that describe where an instruction came from; every derived instruction keeps them.
-_PROVENANCE_ATTRS = ("metadata", "frontend_attributes")
-# The padding value's literal where it is not `0` (padding is only ever reduced with padding).
-_ZERO = {"pred": "false", **{dtype: "(0, 0)" for dtype in COMPLEX_DTYPES}}
 
 
 # -- rings over disjoint links ---------------------------------------------------------------------------
 
+def ring_pairs(ring: Ring) -> tuple[tuple[int, int], ...]:
+    """(sender, receiver) of each hop along `ring`, in ring order: a permute's source_target_pairs."""
+    return tuple((ring[i], ring[(i + 1) % len(ring)]) for i in range(len(ring)))
+
+
 def directed_links(ring: Ring) -> set[tuple[int, int]]:
     """The (sender, receiver) links a ring sends over."""
-    return {(ring[i], ring[(i + 1) % len(ring)]) for i in range(len(ring))}
+    return set(ring_pairs(ring))
 
 
 def ring_problem(topology: Topology, ring: Ring) -> str:
@@ -228,8 +224,8 @@ class AllReduceRings(HloPass):
     def _misfit(self, all_reduce: HloInstruction, counts: DeviceCounts) -> str:
         """Why `all_reduce` cannot run on the rings ("" when it can)."""
         reducer = reducer_opcode(all_reduce.attrs["to_apply"])
-        if reducer not in RING_REDUCERS:
-            return f"the reducer is not one elementwise {', '.join(RING_REDUCERS)}"
+        if reducer not in ORDER_FREE_REDUCERS:
+            return f"the reducer is not one elementwise {', '.join(ORDER_FREE_REDUCERS)}"
         groups = participant_groups(all_reduce, counts)
         if groups is None:
             return ("the participants are not known: empty replica_groups, or a channel_id without "
@@ -265,34 +261,21 @@ def permute_space(all_reduce: HloInstruction, counts: DeviceCounts) -> str | Non
     return None
 
 
-class RingBuilder:
+class RingBuilder(AllReduceReplacementBuilder):
     """Builds the ring form of one all-reduce next to it and puts it in the all-reduce's place."""
 
     def __init__(self, all_reduce: HloInstruction, rings: list[Ring], space: str, channel_ids: ChannelIds):
-        self.all_reduce = all_reduce
+        super().__init__(all_reduce, channel_ids, by_replica=space == REPLICAS)
         self.rings = rings
-        self.by_replica = space == REPLICAS
-        self.channel_ids = channel_ids
-        self.reducer = reducer_opcode(all_reduce.attrs["to_apply"])
-        self.provenance = {key: value for key, value in all_reduce.attrs.items() if key in _PROVENANCE_ATTRS}
-
-    def add(self, opcode: str, operands, shape: Shape | None = None, *, role: str | None = None, literal=None,
-            **attrs) -> HloInstruction:
-        return self.all_reduce.parent.add_instruction(
-            opcode, operands, shape, name=f"{self.all_reduce.name}.{role or opcode}",
-            attrs={**attrs, **self.provenance}, literal=literal, before=self.all_reduce)
 
     def replace(self) -> None:
         """Put the rings in the all-reduce's place."""
-        all_reduce, devices, ring_count = self.all_reduce, len(self.rings[0]), len(self.rings)
-        dtype = all_reduce.operand(0).shape.dtype
-        buffer = flat_buffer(all_reduce.operands, self.add)
+        devices, ring_count = len(self.rings[0]), len(self.rings)
+        buffer = self.flat_buffer()
         size = buffer.shape.dims[0]
         padded_size = -(-size // (ring_count * devices)) * ring_count * devices
         if padded_size != size:
-            scalar = Shape.array(dtype, ())
-            zero = self.add("constant", (), scalar, role="zero", literal=Literal.parse(scalar, _ZERO.get(dtype, "0")))
-            buffer = self.add("pad", [buffer, zero], padding=PaddingConfig(((0, padded_size - size, 0),)))
+            buffer = self.pad(buffer, 0, padded_size - size)
         part_size = padded_size // ring_count
         chunk_size = part_size // devices
         device = self.device_id()
@@ -309,50 +292,24 @@ class RingBuilder:
         # adds the predecessor's into, (p - 1 - s), is index -1-s.
         for step in range(devices - 1):
             for j, ring in enumerate(self.rings):
-                received = self.permute(chunks[j][-step % devices], ring, f"ring{j}.rs{step}")
+                received = self.permute(chunks[j][-step % devices], ring_pairs(ring), f"ring{j}.rs{step}")
                 target = (-1 - step) % devices
                 chunks[j][target] = self.add(self.reducer, [chunks[j][target], received], role=f"ring{j}.rs{step}.sum")
         for step in range(devices - 1):  # position p holds the finished chunk p + 1: index 1
             for j, ring in enumerate(self.rings):
-                chunks[j][-step % devices] = self.permute(chunks[j][(1 - step) % devices], ring, f"ring{j}.ag{step}")
+                chunks[j][-step % devices] = self.permute(chunks[j][(1 - step) % devices], ring_pairs(ring),
+                                                          f"ring{j}.ag{step}")
         parts = []
         for j, ring in enumerate(self.rings):
             position = {d: p for p, d in enumerate(ring)}
-            gathered = self.add("concatenate", chunks[j], role=f"ring{j}.gathered", dimensions=(0,))
+            gathered = self.concatenate(chunks[j], f"ring{j}.gathered")
             back = [(devices - position[d]) % devices * chunk_size for d in range(devices)]
             parts.append(self.rotate(gathered, device, back, f"ring{j}.result"))
-        reduced = parts[0] if ring_count == 1 else self.add("concatenate", parts, role="reduced", dimensions=(0,))
-
-        results = split_flat_buffer(reduced, result_shapes(all_reduce), self.add)
-        replacement = self.add("tuple", results) if all_reduce.shape.is_tuple else results[0]
-        if "sharding" in all_reduce.attrs:
-            replacement.attrs["sharding"] = all_reduce.attrs["sharding"]
-        all_reduce.replace_all_uses_with(replacement)
-        all_reduce.parent.remove_instruction(all_reduce)
-
-    def device_id(self) -> HloInstruction:
-        """This device's id among the ring's devices, as s32."""
-        opcode = "replica-id" if self.by_replica else "partition-id"
-        return self.add("convert", [self.add(opcode, [], Shape.array("u32", ()))], Shape.array("s32", ()),
-                        role="device")
+        self.put_in_place(self.concatenate(parts, "reduced"))
 
     def rotate(self, vector: HloInstruction, device: HloInstruction, offsets: list[int], role: str) -> HloInstruction:
         """`vector` rotated left by `offsets[device]` elements (read from a constant table)."""
-        literal = Literal.from_numpy(np.array(offsets, np.int32))
-        table = self.add("constant", [], literal.shape, role=f"{role}.offsets", literal=literal)
-        entry = self.add("dynamic-slice", [table, device], flat_vector("s32", 1), role=f"{role}.lookup",
-                         dynamic_slice_sizes=(1,))
-        offset = self.add("reshape", [entry], Shape.array("s32", ()), role=f"{role}.offset")
-        twice = self.add("concatenate", [vector, vector], role=f"{role}.twice", dimensions=(0,))
+        offset = self.lookup(device, offsets, role, table="offsets", result="offset")
+        twice = self.concatenate([vector, vector], f"{role}.twice")
         return self.add("dynamic-slice", [twice, offset], vector.shape, role=role,
                         dynamic_slice_sizes=vector.shape.dims)
-
-    def slice(self, vector: HloInstruction, start: int, size: int, role: str) -> HloInstruction:
-        return self.add("slice", [vector], flat_vector(vector.shape.dtype, size), role=role,
-                        slice=SliceSpec(((start, start + size, 1),)))
-
-    def permute(self, chunk: HloInstruction, ring: Ring, role: str) -> HloInstruction:
-        """`chunk` sent one position along `ring` (each device receives its predecessor's)."""
-        pairs = tuple((ring[i], ring[(i + 1) % len(ring)]) for i in range(len(ring)))
-        channel = {} if self.by_replica else {"channel_id": self.channel_ids.fresh()}
-        return self.add("collective-permute", [chunk], chunk.shape, role=role, **channel, source_target_pairs=pairs)
