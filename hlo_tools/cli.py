@@ -25,6 +25,7 @@ from contextlib import contextmanager
 
 import hlo_tools
 from hlo_tools.atomic_files import write_through_temp_file
+from hlo_tools.errors import one_line
 
 PROG = "hlo-tools"
 
@@ -90,14 +91,6 @@ def termination_unwinds():
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-
-
-def one_line(message: str) -> str:
-    """The first non-blank line of ``message`` (error output is one line per failure)."""
-    for line in message.splitlines():
-        if line.strip():
-            return line.strip()
-    return ""
 
 
 def _display_name(path: str) -> str:

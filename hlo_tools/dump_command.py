@@ -20,6 +20,7 @@ import sys
 
 import hlo_tools
 from hlo_tools import cli, dump
+from hlo_tools.errors import one_line
 
 # HLO element types whose numpy (ml_dtypes) name does not follow from the HLO name by the rules below.
 _DTYPE_EXCEPTIONS = {"pred": "bool", "bf16": "bfloat16"}
@@ -137,7 +138,7 @@ def _load_function(path: str, name: str):
     try:
         module_spec.loader.exec_module(module)
     except Exception as exc:
-        raise cli.CommandError(f"importing it failed: {type(exc).__name__}: {cli.one_line(str(exc))}",
+        raise cli.CommandError(f"importing it failed: {type(exc).__name__}: {one_line(str(exc))}",
                                path) from exc
     target = module
     for part in name.split("."):
@@ -158,7 +159,7 @@ def _parse_arg(text: str) -> tuple[tuple[int, ...], str]:
     try:
         shape = hlo_tools.parse_shape(text)
     except hlo_tools.HloParseError as exc:
-        raise cli.CommandError(f"--args {text!r}: {cli.one_line(exc.message)}") from exc
+        raise cli.CommandError(f"--args {text!r}: {one_line(exc.message)}") from exc
     if not shape.is_array:
         raise cli.CommandError(f"--args {text!r}: an argument is an array shape, "
                                "not a tuple or token (give each array)")

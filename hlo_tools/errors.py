@@ -25,3 +25,11 @@ class HloVerifyError(HloError):
         where = f"{line}: " if line else ""
         who = f"{instruction}: " if instruction else ""
         super().__init__(f"{where}{who}{message}")
+
+
+def one_line(message: str) -> str:
+    """The first non-blank line of ``message`` (error output is one line per failure)."""
+    for line in message.splitlines():
+        if line.strip():
+            return line.strip()
+    return ""

@@ -53,7 +53,7 @@ import re
 
 from . import cost_model, graph
 from .cost_model import Chip
-from .cli import one_line
+from .errors import one_line
 from .diff import ComputationDiff, ModuleDiff, diff_modules
 from .errors import HloParseError
 from .ir import HloModule
