@@ -5,3 +5,4 @@ from . import all_gather_combiner, all_reduce_combiner, all_reduce_simplifier, c
 from . import reduce_scatter_combiner  # noqa: F401
 from . import weight_update_sharding  # noqa: F401
 from . import spatial_partitioning  # noqa: F401
+from . import distributed_batch_norm  # noqa: F401

@@ -1,0 +1,536 @@
+"""distributed-batch-norm: per-replica batch norm becomes batch norm over groups of k replicas.
+
+The differential check: a Flax (linen) convnet whose `nn.BatchNorm` has `axis_name=None` (each
+replica's own statistics) trains data parallel over 8 devices (`shard_map`), compiled with
+`xla_passes.jax.jit(step, passes="distributed-batch-norm{group_size=2}")`. Its loss, gradients
+(averaged and per device) and updated batch statistics (per device) must equal JAX's own grouped
+batch norm: the same step over a (4, 2) mesh ('groups', 'members') whose BatchNorm has
+`axis_name="members"`, the batch split over both axes in the same order. Without the pass the two
+differ (checked too, so the comparison means something).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import hlo_tools
+import xla_passes
+import xla_passes.jax
+from hlo_tools import runner, xla_bridge
+from xla_passes.passes.distributed_batch_norm import DistributedBatchNorm
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+class ConvNet(nn.Module):
+    """Two Conv + BatchNorm + relu layers, a spatial mean and a Dense head."""
+
+    axis_name: str | None = None
+    classes: int = 5
+    fast_variance: bool = True   # False: the variance as the mean of (x - mean)^2
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        norm = functools.partial(nn.BatchNorm, use_running_average=not train, momentum=0.9,
+                                 axis_name=self.axis_name if train else None,
+                                 use_fast_variance=self.fast_variance)
+        x = nn.relu(norm()(nn.Conv(8, (3, 3), use_bias=False)(x)))
+        x = nn.relu(norm()(nn.Conv(8, (3, 3), strides=(2, 2), use_bias=False)(x)))
+        return nn.Dense(self.classes)(x.mean(axis=(1, 2)))
+
+
+BATCH_PER_DEVICE, IMAGE = 3, (8, 8, 3)
+
+
+def _step(model, axes):
+    """Loss, averaged gradients, per-device gradients and per-device new batch statistics."""
+    def step(params, stats, images, labels):
+        def loss_fn(p):
+            logits, updates = model.apply({"params": p, "batch_stats": stats}, images, mutable=["batch_stats"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), updates["batch_stats"]
+
+        (loss, new_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        stack = functools.partial(jax.tree.map, lambda a: a[None])
+        return jax.lax.pmean(loss, axes), jax.lax.pmean(grads, axes), stack(grads), stack(new_stats)
+    return step
+
+
+def _data(mesh, spec):
+    rng = np.random.default_rng(0)
+    images = rng.standard_normal((8 * BATCH_PER_DEVICE, *IMAGE)).astype(np.float32) * 2 + 0.5
+    labels = rng.integers(0, 5, (8 * BATCH_PER_DEVICE,)).astype(np.int32)
+    return jax.device_put((images, labels), NamedSharding(mesh, spec))
+
+
+def _variables():
+    variables = ConvNet().init(jax.random.key(0), jnp.zeros((1, *IMAGE)), train=False)
+    stats = jax.tree.map(lambda a: a + 0.25, variables["batch_stats"])  # running stats away from 0 and 1
+    return variables["params"], stats
+
+
+def per_replica_step(fast_variance: bool = True):
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    batch = P("data")
+    step = jax.shard_map(_step(ConvNet(axis_name=None, fast_variance=fast_variance), "data"), mesh=mesh,
+                         in_specs=(P(), P(), batch, batch), out_specs=(P(), P(), batch, batch), check_vma=False)
+    return step, (*_variables(), *_data(mesh, batch))
+
+
+def grouped_reference(k: int = 2, fast_variance: bool = True):
+    """JAX's own grouped batch norm: BatchNorm(axis_name='members') over a (8/k, k) mesh."""
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(8 // k, k), ("groups", "members"))
+    axes, batch = ("groups", "members"), P(("groups", "members"))
+    step = jax.shard_map(_step(ConvNet(axis_name="members", fast_variance=fast_variance), axes), mesh=mesh,
+                         in_specs=(P(), P(), batch, batch), out_specs=(P(), P(), batch, batch), check_vma=False)
+    return jax.jit(step)(*_variables(), *_data(mesh, batch))
+
+
+def _max_differences(got, want) -> dict[str, float]:
+    names = ["loss", "grads", "per-device grads", "per-device batch stats"]
+    out = {}
+    for name, a, b in zip(names, got, want):
+        leaves = list(zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+        assert jax.tree.structure(a) == jax.tree.structure(b)
+        out[name] = max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in leaves)
+    return out
+
+
+def _assert_close(got, want):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=RTOL, atol=ATOL)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return grouped_reference(2)
+
+
+def test_flax_step_equals_jax_grouped_batch_norm(reference):
+    step, args = per_replica_step()
+    ours = xla_passes.jax.jit(step, passes="distributed-batch-norm{group_size=2}")
+    got = ours(*args)
+    differences = _max_differences(got, reference)
+    print("max abs differences against BatchNorm(axis_name='members') on a (4, 2) mesh:", differences)
+    _assert_close(got, reference)
+    # the comparison has teeth: the per-replica step itself is far from the grouped one
+    plain = jax.jit(step)(*args)
+    assert max(_max_differences(plain, reference).values()) > 1e-2
+    # two layers: 2 statistics and 2 gradients each
+    grouped = [line for line in ours.reports if "summed over {{0,1},{2,3},{4,5},{6,7}}" in line]
+    assert sum("statistic (mean" in line for line in grouped) == 4
+    assert sum("gradient through a statistic" in line for line in grouped) == 4
+
+
+def test_groups_of_four():
+    reference = grouped_reference(4)
+    step, args = per_replica_step()
+    got = xla_passes.jax.jit(step, passes="distributed-batch-norm{group_size=4}")(*args)
+    _assert_close(got, reference)
+
+
+def test_centered_variance():
+    """use_fast_variance=False: var = mean((x - mean)^2), a statistic that reads another one."""
+    reference = grouped_reference(2, fast_variance=False)
+    step, args = per_replica_step(fast_variance=False)
+    ours = xla_passes.jax.jit(step, passes="distributed-batch-norm{group_size=2}")
+    got = ours(*args)
+    print("centered variance, max abs differences:", _max_differences(got, reference))
+    _assert_close(got, reference)
+    assert sum("gradient through a statistic" in line for line in ours.reports) == 4
+
+
+def test_explicit_groups_equal_group_size():
+    step, args = per_replica_step()
+    text = xla_bridge.lowered_module_text(jax.jit(step).lower(*args))
+    a, b = hlo_tools.parse_module(text), hlo_tools.parse_module(text)
+    assert xla_passes.run_passes(a, "distributed-batch-norm{group_size=2}")
+    assert xla_passes.run_passes(b, "distributed-batch-norm{groups=0:1;2:3;4:5;6:7}")
+    assert a.to_text() == b.to_text()
+
+
+def _lowered_text():
+    step, args = per_replica_step()
+    return xla_bridge.lowered_module_text(jax.jit(step).lower(*args))
+
+
+def test_report_says_what_it_grouped_and_why_it_kept_the_rest():
+    module = hlo_tools.parse_module(_lowered_text())
+    pipeline = xla_passes.Pipeline("distributed-batch-norm{group_size=2}")
+    assert pipeline.run(module)
+    report = pipeline.reports()
+    print("\n".join(report))
+    kept = [line for line in report if ": kept: " in line]
+    # the loss (a scalar mean), the BN bias/scale gradients and the Dense bias gradient (sums, not means)
+    assert any("a mean over every dimension" in line for line in kept)
+    assert any("is not divided by its" in line for line in kept)
+    assert any("users besides its mean" in line for line in kept)   # dy*(x-mean): scale gradient and var
+    statistics = [line for line in report if "statistic (mean over dims {0,1,2}" in line]
+    assert len(statistics) == 4 and all("divisor" in line for line in statistics)
+    # every new all-reduce sums over pairs; the step's own all-reduces (over all 8) are untouched
+    groups = {str(i.attrs["replica_groups"]) for i in module.instructions() if i.opcode == "all-reduce"}
+    assert groups == {"{{0,1},{2,3},{4,5},{6,7}}", "{{0,1,2,3,4,5,6,7}}"}
+
+
+# -- refusals ----------------------------------------------------------------------------------------
+
+def _report(text: str, passes: str) -> tuple[bool, list[str]]:
+    module = hlo_tools.parse_module(text)
+    pipeline = xla_passes.Pipeline(passes)
+    changed = pipeline.run(module)
+    return changed, pipeline.reports()
+
+
+def test_refuses_when_a_statistic_has_no_gradient():
+    """Hide one gradient's count (divide by maximum(count, count), which the pass does not fold): the
+    local sums of the backward pass would reach the examples ungrouped, so nothing changes."""
+    text = _lowered_text()
+    module = hlo_tools.parse_module(text)
+    p = DistributedBatchNorm(group_size=2)
+    assert p.run(module)
+    gradient = next(line for line in p.report if "gradient through" in line).split(":")[0].lstrip("%")
+    original = hlo_tools.parse_module(text)
+    divide = original.find(gradient)
+    hidden = divide.parent.add_instruction("maximum", [divide.operand(1), divide.operand(1)], before=divide)
+    divide.set_operand(1, hidden)   # the same value, but not a constant count any more
+    changed, report = _report(original.to_text(), "distributed-batch-norm{group_size=2}")
+    assert not changed
+    assert report[-1].startswith("unchanged: %") and "flows back into the examples ungrouped" in report[-1]
+
+
+def test_refuses_group_size_that_does_not_divide():
+    changed, report = _report(_lowered_text(), "distributed-batch-norm{group_size=3}")
+    assert not changed and report == ["unchanged: group_size=3 does not divide the 8 devices along the batch axis"]
+
+
+def test_refuses_a_module_without_a_batch():
+    text = """HloModule nobatch, replica_count=2
+
+add {
+  x = f32[] parameter(0)
+  y = f32[] parameter(1)
+  ROOT s = f32[] add(x, y)
+}
+
+ENTRY main {
+  x = f32[4,3] parameter(0)
+  zero = f32[] constant(0)
+  ROOT s = f32[3] reduce(x, zero), dimensions={0}, to_apply=add
+}
+"""
+    changed, report = _report(text, "distributed-batch-norm{group_size=2}")
+    assert not changed and "no per-device batch" in report[0]
+
+
+def test_refuses_a_fused_module_at_the_jax_hook():
+    text = """HloModule fused, replica_count=2
+
+add {
+  x = f32[] parameter(0)
+  y = f32[] parameter(1)
+  ROOT s = f32[] add(x, y)
+}
+
+fused_reduce {
+  p = f32[4,3] parameter(0)
+  zero = f32[] constant(0)
+  ROOT s = f32[3] reduce(p, zero), dimensions={0}, to_apply=add
+}
+
+ENTRY main {
+  x = f32[4,3] parameter(0)
+  ROOT f = f32[3] fusion(x), kind=kLoop, calls=fused_reduce
+}
+"""
+    with pytest.raises(xla_passes.PassError, match="after XLA's fusion"):
+        xla_passes.run_passes(hlo_tools.parse_module(text), "distributed-batch-norm{group_size=2}")
+
+
+def test_bad_options():
+    for text, message in [("distributed-batch-norm", "give group_size=k or groups="),
+                          ("distributed-batch-norm{group_size=2,groups=0:1}", "give one of"),
+                          ("distributed-batch-norm{groups=0:1;2}", "groups of the same size")]:
+        with pytest.raises(xla_passes.PassError, match=message):
+            xla_passes.Pipeline(text)
+
+
+# -- the hand-written replica program of distributed_batch_norm.hlo, run on 8 replicas ---------------
+
+def _filecheck_module(label: str) -> str:
+    import pathlib  # noqa: PLC0415
+    text = (pathlib.Path(__file__).parent / "distributed_batch_norm.hlo").read_text()
+    chunk = next(c for c in text.split("// -----") if f"HloModule {label}," in c)
+    return chunk[chunk.index(f"HloModule {label},"):]
+
+
+def _batch_norm_and_gradient(x, dy):
+    """y = (x - mean) * rsqrt(var + 1e-5) over dims (0, 1), and its gradient along dy (JAX's vjp)."""
+    def bn(x):
+        mean = x.mean(axis=(0, 1))
+        var = (x * x).mean(axis=(0, 1)) - mean * mean
+        return (x - mean) * jax.lax.rsqrt(var + 1e-5), mean, var
+
+    (y, mean, var), vjp = jax.vjp(bn, x)
+    (dx,) = vjp((dy, jnp.zeros_like(mean), jnp.zeros_like(var)))
+    return y, dx, mean, var
+
+
+@pytest.mark.parametrize("groups", [None, [[0, 2], [1, 3], [4, 6], [5, 7]], [[0, 1, 2, 3, 4, 5, 6, 7]]])
+def test_replica_program_equals_batch_norm_of_each_groups_batch(groups):
+    text = _filecheck_module("batch_norm_step")
+    if groups is None:
+        passes, groups = "distributed-batch-norm{group_size=2,batch_parameters=0:1}", [[0, 1], [2, 3], [4, 5], [6, 7]]
+    else:
+        spelled = ";".join(":".join(map(str, g)) for g in groups)
+        passes = f"distributed-batch-norm{{groups={spelled},batch_parameters=0:1}}"
+    module = hlo_tools.parse_module(text)
+    assert xla_passes.run_passes(module, passes)
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((8, 2, 3, 4)) * 3 + 1).astype(np.float32)
+    dy = rng.standard_normal((8, 2, 3, 4)).astype(np.float32)
+    got = runner.run_module(module.to_text(), [x, dy], num_replicas=8).outputs
+    worst = 0.0
+    for group in groups:
+        y, dx, mean, var = (np.asarray(a) for a in _batch_norm_and_gradient(
+            jnp.concatenate(list(x[group])), jnp.concatenate(list(dy[group]))))
+        for position, replica in enumerate(group):
+            rows = slice(2 * position, 2 * position + 2)
+            for out, want in zip(got, (y[rows], dx[rows], mean, var)):
+                np.testing.assert_allclose(out[replica], want, rtol=RTOL, atol=1e-5)
+                worst = max(worst, float(np.max(np.abs(out[replica] - want))))
+    print(f"groups {groups}: max abs difference {worst:.2e}")
+    # and the original program is each replica's own batch norm
+    plain = runner.run_module(text, [x, dy], num_replicas=8).outputs
+    y, dx, mean, var = (np.asarray(a) for a in _batch_norm_and_gradient(jnp.asarray(x[5]), jnp.asarray(dy[5])))
+    np.testing.assert_allclose(plain[1][5], dx, rtol=RTOL, atol=1e-5)
+
+
+def test_refuses_a_batch_norm_already_synchronized_over_the_replicas():
+    """xla_passes.models' ResNet: BatchNorm(axis_name="data") already averages over all 8 devices."""
+    from xla_passes import models  # noqa: PLC0415
+
+    mesh = jax.make_mesh((8,), ("data",))
+    step, args = models.data_parallel_step(models.small_resnet(), mesh)
+    text = xla_bridge.lowered_module_text(step.lower(*args))
+    changed, report = _report(text, "distributed-batch-norm{group_size=2}")
+    assert not changed
+    assert report[-1].startswith("unchanged: the mean of %") and "already all-reduced across devices" in report[-1]
+
+
+# -- Keras 3 BatchNormalization on the JAX backend -------------------------------------------------------
+
+def _keras():
+    os.environ.setdefault("KERAS_BACKEND", "jax")
+    keras = pytest.importorskip("keras")
+    if keras.backend.backend() != "jax":
+        pytest.skip(f"Keras runs on {keras.backend.backend()} in this process, not JAX")
+    return keras
+
+
+def test_keras_batch_normalization_equals_batch_norm_of_each_groups_batch():
+    """Keras' moments on JAX: jnp.mean, and jnp.var (a jitted call: call-inliner first) whose count is
+    computed as `108 - 0`. The reference runs the same layers on each group's 6 examples on one device."""
+    keras = _keras()
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input(IMAGE), keras.layers.Conv2D(8, 3, use_bias=False),
+                              keras.layers.BatchNormalization(), keras.layers.ReLU(),
+                              keras.layers.Conv2D(8, 3, strides=2, use_bias=False),
+                              keras.layers.BatchNormalization(), keras.layers.ReLU(),
+                              keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(5)])
+    trainable = [v.value for v in model.trainable_variables]
+    statistics = [v.value for v in model.non_trainable_variables]
+
+    def local(trainable, statistics, images, labels):
+        def loss_fn(trainable):
+            logits, new_statistics = model.stateless_call(trainable, statistics, images, training=True)
+            loss = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True).mean()
+            return loss, new_statistics
+        (loss, new_statistics), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
+        return loss, grads, new_statistics
+
+    def step(trainable, statistics, images, labels):
+        loss, grads, new_statistics = local(trainable, statistics, images, labels)
+        return jax.lax.pmean(loss, "data"), jax.lax.pmean(grads, "data"), [a[None] for a in new_statistics]
+
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    step = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("data"), P("data")),
+                         out_specs=(P(), P(), P("data")), check_vma=False)
+    images, labels = _data(mesh, P("data"))
+    ours = xla_passes.jax.jit(step, passes="call-inliner,distributed-batch-norm{group_size=2}")
+    loss, grads, new_statistics = ours(trainable, statistics, images, labels)
+    assert sum("summed over {{0,1},{2,3},{4,5},{6,7}}" in line for line in ours.reports) >= 12
+
+    images, labels = np.asarray(images), np.asarray(labels)
+    per_group = [jax.jit(local)(trainable, statistics, images[6 * g:6 * g + 6], labels[6 * g:6 * g + 6])
+                 for g in range(4)]
+    want_loss = np.mean([float(r[0]) for r in per_group])
+    want_grads = [np.mean([np.asarray(r[1][i]) for r in per_group], axis=0) for i in range(len(trainable))]
+    worst = {"loss": abs(float(loss) - want_loss)}
+    np.testing.assert_allclose(float(loss), want_loss, rtol=RTOL)
+    worst["grads"] = max(float(np.max(np.abs(np.asarray(a) - b))) for a, b in zip(grads, want_grads))
+    for a, b in zip(grads, want_grads):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=RTOL, atol=ATOL)
+    worst["batch stats"] = 0.0
+    for i, stacked in enumerate(new_statistics):
+        for device in range(8):
+            want = np.asarray(per_group[device // 2][2][i])
+            np.testing.assert_allclose(np.asarray(stacked)[device], want, rtol=RTOL, atol=ATOL)
+            worst["batch stats"] = max(worst["batch stats"], float(np.max(np.abs(np.asarray(stacked)[device] - want))))
+    print("Keras, max abs differences against each group's batch on one device:", worst)
+
+
+# -- xla_passes.models' ResNet (bottleneck blocks, residuals, strides, max pool) ---------------------------
+
+def _resnet_step(k: int):
+    """The ResNet's BatchNorm averages over the mesh axis "data": on a (8, 1) mesh ('replicas', 'data')
+    that is each device's own batch (a pmean over one device), on a (8/k, k) mesh a group of k."""
+    from xla_passes import models  # noqa: PLC0415
+
+    spec = models.small_resnet()
+    variables = spec.model.init(jax.random.key(0), jnp.zeros((1, *spec.example_shape)), train=False)
+    params, state = variables["params"], {key: v for key, v in variables.items() if key != "params"}
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(8 // k, k), ("replicas", "data"))
+    axes = ("replicas", "data")
+
+    def step(params, state, images, labels):
+        loss, grads, updates = models._loss_and_gradients(spec, params, state, images, labels)
+        stack = functools.partial(jax.tree.map, lambda a: a[None])
+        return jax.lax.pmean(loss, axes), jax.lax.pmean(grads, axes), stack(grads), stack(updates)
+
+    batch = P(axes) if k > 1 else P("replicas")
+    step = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), batch, batch), out_specs=(P(), P(), batch, batch),
+                         check_vma=False)
+    rng = np.random.default_rng(0)
+    images = rng.standard_normal((16, *spec.example_shape)).astype(np.float32)
+    labels = rng.integers(0, spec.classes, (16,)).astype(np.int32)
+    return step, (params, state, *jax.device_put((images, labels), NamedSharding(mesh, batch)))
+
+
+def test_resnet_equals_jax_grouped_batch_norm():
+    step, args = _resnet_step(1)
+    ours = xla_passes.jax.jit(step, passes="distributed-batch-norm{group_size=2}")
+    got = ours(*args)
+    reference_step, reference_args = _resnet_step(2)
+    reference = jax.jit(reference_step)(*reference_args)
+    print("ResNet, max abs differences against BatchNorm over a 2-device axis:", _max_differences(got, reference))
+    _assert_close(got, reference)
+    layers = 1 + 4 * 2   # the stem and two bottleneck blocks with projections
+    assert sum("statistic (mean" in line for line in ours.reports) == 2 * layers
+    assert sum("gradient through a statistic" in line for line in ours.reports) == 2 * layers
+
+
+def test_refused_at_the_jax_hook_with_the_reason(caplog):
+    """At XLA_PASSES / xla_passes.jax.enable the modules are fused: the pass says so (a warning; the
+    compile goes on unchanged) instead of rewriting."""
+    step, args = per_replica_step()
+    with caplog.at_level("WARNING", logger="xla_passes"):
+        with xla_passes.jax.enable("distributed-batch-norm{group_size=2}"):
+            got = jax.jit(step)(*args)
+    assert any("after XLA's fusion" in record.getMessage() for record in caplog.records)
+    plain = jax.jit(step).lower(*args).compile()(*args)
+    _assert_close(got, plain)   # the per-replica step, unchanged
+
+
+def test_explicit_non_consecutive_groups():
+    """groups=0:2;1:3;4:6;5:7 on the 8-device step equals the (4, 2)-mesh reference fed the batch shards
+    in the order 0,2,1,3,4,6,5,7 (so that its pairs hold shards {0,2}, {1,3}, ...)."""
+    order = [0, 2, 1, 3, 4, 6, 5, 7]
+    step, args = per_replica_step()
+    got = xla_passes.jax.jit(step, passes="distributed-batch-norm{groups=0:2;1:3;4:6;5:7}")(*args)
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("groups", "members"))
+    axes, batch = ("groups", "members"), P(("groups", "members"))
+    reference_step = jax.shard_map(_step(ConvNet(axis_name="members"), axes), mesh=mesh,
+                                   in_specs=(P(), P(), batch, batch), out_specs=(P(), P(), batch, batch),
+                                   check_vma=False)
+    images, labels = (np.asarray(a).reshape(8, BATCH_PER_DEVICE, *np.shape(a)[1:])[order].reshape(np.shape(a))
+                      for a in args[2:])
+    want = jax.jit(reference_step)(*args[:2], *jax.device_put((images, labels), NamedSharding(mesh, batch)))
+    _assert_close(got[:2], want[:2])
+    for ours, theirs in zip(jax.tree.leaves(got[2:]), jax.tree.leaves(want[2:])):
+        np.testing.assert_allclose(np.asarray(ours)[order], np.asarray(theirs), rtol=RTOL, atol=ATOL)
+    plain = jax.jit(step)(*args)
+    assert max(_max_differences(plain, got).values()) > 1e-2
+
+
+class MLP(nn.Module):
+    """Dense + BatchNorm over a rank-2 activation (statistics over dimension 0 only)."""
+
+    axis_name: str | None = None
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        x = x.reshape(x.shape[0], -1)
+        x = nn.relu(nn.BatchNorm(use_running_average=False, momentum=0.9, axis_name=self.axis_name)(nn.Dense(16)(x)))
+        return nn.Dense(5)(x)
+
+
+def test_dense_batch_norm():
+    variables = MLP().init(jax.random.key(1), jnp.zeros((1, *IMAGE)))
+
+    def run(mesh, batch, axes, axis_name, jit):
+        step = jax.shard_map(_step(MLP(axis_name=axis_name), axes), mesh=mesh, in_specs=(P(), P(), batch, batch),
+                             out_specs=(P(), P(), batch, batch), check_vma=False)
+        return jit(step)(variables["params"], variables["batch_stats"], *_data(mesh, batch))
+
+    devices = np.array(jax.devices()[:8])
+    ours = xla_passes.jax.jit
+    got = run(Mesh(devices, ("data",)), P("data"), "data", None,
+              lambda f: ours(f, passes="distributed-batch-norm{group_size=2}"))
+    want = run(Mesh(devices.reshape(4, 2), ("groups", "members")), P(("groups", "members")),
+               ("groups", "members"), "members", jax.jit)
+    print("Dense + BatchNorm, max abs differences:", _max_differences(got, want))
+    _assert_close(got, want)
+
+
+def test_resnet50_groups_every_batch_norm():
+    """ResNet-50 at its real size (lowered, not compiled): 53 batch norms, 2 statistics and 2 gradients each."""
+    from xla_passes import models  # noqa: PLC0415
+
+    spec = models.resnet50()
+    variables = jax.eval_shape(functools.partial(spec.model.init, train=False), jax.random.key(0),
+                               jnp.zeros((1, *spec.example_shape)))
+    params, state = variables["params"], {key: v for key, v in variables.items() if key != "params"}
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(8, 1), ("replicas", "data"))
+    axes = ("replicas", "data")
+
+    def step(params, state, images, labels):
+        loss, grads, updates = models._loss_and_gradients(spec, params, state, images, labels)
+        return jax.lax.pmean((loss, grads, updates), axes)
+
+    step = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("replicas"), P("replicas")), out_specs=P(),
+                         check_vma=False)
+    text = xla_bridge.lowered_module_text(jax.jit(step).lower(params, state, *spec.inputs(16)))
+    changed, report = _report(text, "distributed-batch-norm{group_size=4}")
+    assert changed
+    assert sum("statistic (mean" in line for line in report) == 106
+    assert sum("gradient through a statistic" in line for line in report) == 106
+    assert all("summed over {{0,1,2,3},{4,5,6,7}}" in line for line in report if ": kept: " not in line)
+
+
+def test_refuses_an_unbiased_variance_it_does_not_recognise():
+    """A hand-made batch norm with jnp.var(ddof=1): the variance's sum is divided by count - 1, not its
+    count, so it is no statistic; grouping the mean alone would be wrong, and the module stays as it was."""
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+
+    def step(w, x):
+        def loss(w):
+            h = x @ w
+            normed = (h - h.mean(axis=0)) / jnp.sqrt(jnp.var(h, axis=0, ddof=1) + 1e-5)
+            return (normed ** 3).mean()
+        return jax.lax.pmean(jax.value_and_grad(loss)(w), "data")
+
+    step = jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data")), out_specs=P(), check_vma=False)
+    args = (jnp.ones((4, 3)), jax.device_put(np.ones((16, 4), np.float32), NamedSharding(mesh, P("data"))))
+    module = hlo_tools.parse_module(xla_bridge.lowered_module_text(jax.jit(step).lower(*args)))
+    assert xla_passes.run_passes(module, "call-inliner")   # jnp.var is a jitted call
+    changed, report = _report(module.to_text(), "distributed-batch-norm{group_size=2}")
+    assert not changed
+    assert "kept: its sum is not divided by its 2 elements" in "\n".join(report)
+    assert report[-1].startswith("unchanged: %") and "flows back into the examples ungrouped" in report[-1]

@@ -1,0 +1,825 @@
+"""`distributed-batch-norm{group_size=k}`: batch-norm statistics over groups of k replicas.
+
+The distributed batch norm of the ResNet-50 and EfficientNet pod runs (arXiv 1811.06992): in a
+data-parallel step each replica normalises with the mean and variance of its own examples; with
+this pass every group of k consecutive replicas along the batch axis shares them, as if the group's
+examples were one batch. The pass works on a per-device program before XLA's optimizations: JAX's
+lowering of a `shard_map` (or pmap-style) step, where `jnp.mean` is a reduce and a divide by the
+element count (`xla_passes.jax.jit(step, passes="distributed-batch-norm{group_size=2}")`,
+`xla-opt` on `hlo-tools dump`'s modules), or a replica program whose batch parameters are named
+with `batch_parameters=`.
+
+Forward, each statistic's local sum is summed over the group and divided by k times the count;
+backward, the gradient through each statistic's mean (JAX's transpose of the divide, broadcast
+back over the batch) is summed over the group the same way, which is what JAX's own transpose of
+`lax.pmean(..., axis_name)` inside `nn.BatchNorm(axis_name=...)` does::
+
+    s    = f32[4] reduce(x, zero), dimensions={0,1,2}, to_apply=add       x: f32[2,6,6,4], per device
+    mean = f32[4] divide(s, f32[4] broadcast(f32[] constant(72)))
+    ...
+    ct   = f32[4] divide(g, f32[4] broadcast(f32[] constant(72)))        g: gradient of the mean
+    ctx  = f32[2,6,6,4] broadcast(ct), dimensions={3}
+                                  =>
+    s.group  = f32[4] all-reduce(s), channel_id=2, replica_groups={{0,1},{2,3},{4,5},{6,7}},
+               use_global_device_ids=true, to_apply=add
+    mean     = f32[4] divide(s.group, f32[4] broadcast(f32[] constant(144)))
+    g.group  = f32[4] all-reduce(g), channel_id=3, replica_groups={{0,1},{2,3},{4,5},{6,7}}, ...
+    ct       = f32[4] divide(g.group, f32[4] broadcast(f32[] constant(144)))
+
+How the reductions are identified (one line each in `report`; docs/distributed_batch_norm.md):
+
+* the batch: the per-device batch is the dimension of a `shard_map` operand that its
+  `in_shardings` split over one mesh axis (the groups are k consecutive positions along that
+  axis), or dimension 0 of the entry parameters `batch_parameters=` names in a replica program
+  (the groups are k consecutive replicas); every value's batch dimension is followed through the
+  program (elementwise ops, broadcast, reshape, transpose, convolution, dot, reduce, gather,
+  scatter, slicing and pooling that leave the batch alone, calls);
+* a statistic is a `reduce` with an add reducer and a zero init of a floating-point value, over
+  dimensions that include the batch, whose sum (through reshapes of unit dimensions only) is
+  divided by exactly the number of elements it summed (a constant expression; or multiplied by
+  its reciprocal), keeps at least one dimension (per-feature statistics; a scalar mean is a loss),
+  and whose mean flows back into per-example values (the normalisation);
+* a statistic's gradient is a divide by the same count whose result, through reshapes of unit
+  dimensions (and sums over dimensions of size 1), is broadcast back over the same dimensions of
+  an activation of the same shape; per (shape, dimensions, count) there may be no more gradients
+  than statistics (a backward sum of the form reduce -> divide -> broadcast, the gradient of a
+  centring, reads as a statistic and is grouped the same way either way);
+* soundness: every other value that sums over the batch (reduce, dot, convolution) must reach the
+  examples only through a grouped divide; otherwise a statistic or a gradient went unrecognised
+  and the module is left unchanged, naming that sum.
+
+Left alone, with the reason in the report: sums over the batch that are not divided by their
+element count (parameter gradients, the bias and scale gradients of batch norm, which the step's
+own all-reduce averages over every replica), scalar means (the loss), means that do not flow back
+into the examples, non-add reducers. The module is refused (unchanged, the reason in the report)
+by the soundness check, when a statistic is already all-reduced across devices (batch norm with
+`axis_name`; all-reduces over single devices do not count), when it cannot pair gradients with
+statistics, when a called computation reduces over the batch (run `call-inliner` first), when the
+batch is split over several mesh axes, when the module holds `batch-norm-training`/`-grad`
+instructions, and at JAX's compile hook, whose modules are fused: there the pass raises a
+`PassError` saying so (XLA compiles the module unchanged).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import numpy as np
+
+from hlo_tools import HloComputation, HloInstruction, HloModule, Literal, ReplicaGroups, Shape
+from hlo_tools.opcodes import ELEMENTWISE
+from hlo_tools.shape import FLOAT_DTYPES
+
+from ..collectives import reducer_opcode
+from ..core import HloPass, register_pass
+from ..replication_analysis import SDY_SHARDING_VALUE, parse_sdy_meshes
+from .all_reduce_decomposer import ChannelIds
+
+OPAQUE = -1  # a per-example value whose batch dimension the analysis cannot name
+_UNIT_SHAPE_OPS = frozenset({"reshape", "bitcast"})
+
+
+class Refusal(Exception):
+    """The module cannot be rewritten safely; the message says why."""
+
+
+@dataclasses.dataclass
+class _Statistic:
+    reduce: HloInstruction
+    divide: HloInstruction   # the mean: divide(sum, count) or multiply(sum, 1/count)
+    signature: tuple
+    count: int
+
+
+@dataclasses.dataclass
+class _Gradient:
+    divide: HloInstruction
+    broadcast: HloInstruction
+    signature: tuple
+    count: int
+
+
+@register_pass
+class DistributedBatchNorm(HloPass):
+    """Batch-norm statistics (and their gradients) over groups of k replicas instead of each replica's own batch."""
+
+    name = "distributed-batch-norm"
+    opcodes = {"reduce"}
+    group_size: int = 0
+    groups: str = ""            # positions along the batch axis, e.g. 0:1;2:3;4:5;6:7
+    batch_parameters: str = ""  # replica programs: entry parameter numbers whose dimension 0 is the batch
+
+    def __post_init__(self):
+        self.report: list[str] = []
+        if self.group_size and self.groups:
+            raise ValueError("give one of group_size=k and groups=a:b;c:d")
+        if not self.group_size and not self.groups:
+            raise ValueError("give group_size=k or groups=a:b;c:d (positions along the batch axis)")
+        self._explicit = _parse_groups(self.groups) if self.groups else None
+        try:
+            self._batch_numbers = [int(x) for x in re.split(r"[\s:;]+", self.batch_parameters.strip()) if x]
+        except ValueError:
+            raise ValueError(f"batch_parameters={self.batch_parameters!r} is not parameter numbers "
+                             f"separated by ':'") from None
+
+    # -- driver ------------------------------------------------------------------------------------
+
+    def run(self, module: HloModule) -> bool:
+        self.report = []
+        if any(i.opcode == "fusion" for i in module.entry.instructions):
+            raise self.fail("the module is after XLA's fusion (JAX's compile hook): the statistics' reductions "
+                            "and divides are inside fusions, where they cannot be paired with their gradients; "
+                            "run the pass on JAX's lowering with xla_passes.jax.jit(step, passes=...) or on "
+                            "a dumped module with xla-opt")
+        try:
+            targets = self._targets(module)
+            plans = [self._plan(module, comp, params, groups, mode) for comp, params, groups, mode in targets]
+        except Refusal as exc:
+            self.report.append(f"unchanged: {exc}")
+            return False
+        changed = False
+        channel_ids = ChannelIds(module)
+        for plan in plans:
+            changed |= plan.apply(module, channel_ids)
+        return changed
+
+    def _targets(self, module: HloModule):
+        """(computation, {parameter number: batch dim}, device groups, 'devices'|'replicas') to rewrite."""
+        if any(i.opcode in ("batch-norm-training", "batch-norm-grad") for i in module.instructions()):
+            raise Refusal("the module has batch-norm-training/batch-norm-grad instructions (TF's FusedBatchNorm); "
+                          "only batch norm written as reduce and divide is handled")
+        targets = []
+        for call in module.entry.instructions:
+            found = self._shard_map_body(module, call)
+            if found is not None:
+                targets.append(found)
+        if targets and self._batch_numbers:
+            raise Refusal("batch_parameters= is for replica programs; this module is a shard_map program")
+        if not targets:
+            if not self._batch_numbers:
+                raise Refusal("no per-device batch: no shard_map operand is split over a mesh axis; in a "
+                              "replica program name the batch parameters with batch_parameters=")
+            replicas = module.attrs.get("replica_count")
+            if replicas is None:
+                raise Refusal("batch_parameters= needs the module's replica_count")
+            entry = module.entry
+            for number in self._batch_numbers:
+                if number >= entry.num_parameters or entry.parameter(number).shape.is_tuple:
+                    raise Refusal(f"batch_parameters: the entry has no array parameter {number}")
+            groups = self._position_groups(int(replicas))
+            targets.append((entry, {n: 0 for n in self._batch_numbers}, groups, "replicas"))
+        return targets
+
+    def _position_groups(self, size: int) -> list[list[int]]:
+        if self._explicit is not None:
+            flat = sorted(p for g in self._explicit for p in g)
+            if flat != list(range(size)):
+                raise Refusal(f"groups={self.groups} do not cover the {size} positions along the batch axis once each")
+            return [list(g) for g in self._explicit]
+        k = self.group_size
+        if k < 1 or size % k:
+            raise Refusal(f"group_size={k} does not divide the {size} devices along the batch axis")
+        return [list(range(start, start + k)) for start in range(0, size, k)]
+
+    def _shard_map_body(self, module: HloModule, call: HloInstruction):
+        """A Shardy manual computation: its body, the batch dims of its parameters, the device groups."""
+        if call.opcode != "call":
+            return None
+        sources = {}
+        for number, operand in enumerate(call.operands):
+            if operand.opcode != "get-tuple-element":
+                continue
+            g2l = operand.operand(0)
+            if g2l.opcode != "custom-call" or g2l.attrs.get("custom_call_target") != "xla.sdy.GlobalToLocalShape":
+                continue
+            attributes = g2l.attrs.get("frontend_attributes")
+            in_shardings = attributes.get("xla.sdy.in_shardings") if attributes is not None else None
+            values = SDY_SHARDING_VALUE.findall(in_shardings or "")
+            index = operand.attrs["index"]
+            if index >= len(values):
+                raise Refusal(f"cannot read the in_shardings of shard_map operand {index}")
+            mesh_name, dims_text, _ = values[index]
+            per_dim = [re.findall(r'"(\w+)"', d) for d in re.findall(r"\{([^}]*)\}", dims_text)]
+            split = [(d, axes) for d, axes in enumerate(per_dim) if axes]
+            if not split:
+                continue
+            if len(split) > 1 or len(split[0][1]) > 1:
+                raise Refusal(f"shard_map operand {index} is split over several mesh axes or dimensions; only a "
+                              f"batch split over one axis is handled")
+            sources[number] = (split[0][0], split[0][1][0], mesh_name)
+        if not sources:
+            return None
+        if len({(axis, mesh) for _, axis, mesh in sources.values()}) != 1:
+            raise Refusal("shard_map operands are split over different mesh axes")
+        _, axis, mesh_name = next(iter(sources.values()))
+        attributes = module.attrs.get("frontend_attributes")
+        meshes = parse_sdy_meshes(attributes.get("xla.sdy.meshes") or "") if attributes is not None else {}
+        if mesh_name not in meshes:
+            raise Refusal(f"the module does not define mesh {mesh_name!r}")
+        axis_names, coordinates = meshes[mesh_name]
+        if axis not in axis_names or not coordinates:
+            raise Refusal(f"mesh {mesh_name!r} has no axis {axis!r}")
+        a = axis_names.index(axis)
+        size = 1 + max(c[a] for c in coordinates.values())
+        positions = self._position_groups(size)
+        by_rest: dict[tuple, dict[int, int]] = {}
+        for device, coords in coordinates.items():
+            by_rest.setdefault(coords[:a] + coords[a + 1:], {})[coords[a]] = device
+        groups = sorted([by_rest[rest][p] for p in group] for rest in sorted(by_rest) for group in positions)
+        body = call.attrs["to_apply"]
+        if len(module.callers().get(body, [])) != 1:
+            raise Refusal(f"the shard_map body %{body.name} is called more than once")
+        return body, {number: dim for number, (dim, _, _) in sources.items()}, groups, "devices"
+
+    # -- analysis ----------------------------------------------------------------------------------
+
+    def _plan(self, module, comp, params, groups, mode) -> "_Plan":
+        batch = _BatchDims(module)
+        info = batch.analyse(comp, {n: d for n, d in params.items()})
+        k = len(groups[0])
+        if any(len(g) != k for g in groups):
+            raise Refusal("the groups are not all of the same size")
+        self._kept_means: dict[tuple, HloInstruction] = {}
+        statistics: list[_Statistic] = []
+        for instr in comp.instructions:
+            if instr.opcode == "reduce":
+                stat = self._statistic(instr, info)
+                if stat is not None:
+                    statistics.append(stat)
+        lost = [i for i in comp.instructions if i.opcode == "reduce" and info.get(i.operand(0)) == OPAQUE]
+        if lost:
+            raise Refusal(f"the analysis lost the batch dimension of what %{lost[0].name} reduces (through "
+                          f"%{lost[0].operand(0).name}), so it cannot tell whether it is a statistic")
+        means = {s.divide for s in statistics}
+        for stat in statistics:
+            if "all-reduce" in _reaches(stat.divide, info, means):
+                raise Refusal(f"the mean of %{stat.reduce.name} is already all-reduced across devices (a batch norm "
+                              f"with axis_name, synchronized over the replicas): nothing to group")
+        signatures = {s.signature for s in statistics}
+        gradients: list[_Gradient] = []
+        for instr in comp.instructions:
+            if instr.opcode == "broadcast" and info.get(instr.operand(0)) is None:
+                found = _gradient(instr, means, signatures | set(self._kept_means))
+                if found is not None:
+                    gradients.append(found)
+        # A sum of JAX's backward pass of the form reduce -> divide -> broadcast (the gradient of a
+        # centring, which is a centring) reads as a statistic; it is grouped the same way either way.
+        # So: no more gradients than statistics, and none that may belong to a mean left alone.
+        for signature in sorted({g.signature for g in gradients}, key=str):
+            forward = [st for st in statistics if st.signature == signature]
+            backward = [g for g in gradients if g.signature == signature]
+            if signature in self._kept_means:
+                raise Refusal(f"%{backward[0].divide.name} may be the gradient of the mean of "
+                              f"%{self._kept_means[signature].name}, which is not a statistic, over "
+                              f"{_describe(signature)}: cannot tell the statistics' gradients from it")
+            if len(backward) > len(forward):
+                raise Refusal(f"{len(backward)} gradients ({', '.join('%' + g.divide.name for g in backward)}) but "
+                              f"{len(forward)} statistics over {_describe(signature)}: cannot pair them")
+        # Soundness: every other sum over the batch (and dot or convolution contracting it) reaches the
+        # examples only through a grouped divide. A statistic or a gradient that the patterns above
+        # miss (a count computed at run time, another form of the gradient) makes the module refused.
+        grouped = means | {g.divide for g in gradients}
+        own = {st.reduce for st in statistics}
+        for instr in comp.instructions:
+            if (instr in own or instr.opcode in ("get-tuple-element", "tuple") or not _none(info.get(instr))
+                    or all(_none(info.get(o)) for o in instr.operands)):
+                continue
+            how = _reaches(instr, info, grouped)
+            if how:
+                raise Refusal(f"%{instr.name} sums over the batch and its result flows back into the examples "
+                              f"{'through an all-reduce' if 'all-reduce' in how else 'ungrouped'}: a statistic "
+                              f"or a statistic's gradient the pass does not recognise (a mean is a divide by "
+                              f"its element count as a constant); grouping the others alone would mix "
+                              f"per-replica and per-group statistics")
+        if statistics and not gradients:
+            self.report.append("no gradient through the statistics: taken as a forward-only program")
+        return _Plan(self, statistics, gradients, groups, mode, k)
+
+    def _statistic(self, reduce: HloInstruction, info: dict) -> _Statistic | None:
+        """The statistic `reduce` computes, or None (with a report line when it sums over the batch)."""
+        if reduce.operand_count != 2 or reduce.shape.is_tuple:
+            return None
+        operand = reduce.operand(0)
+        batch = info.get(operand)
+        dims = tuple(reduce.attrs.get("dimensions", ()))
+        if batch is None or batch == OPAQUE or isinstance(batch, tuple) or batch not in dims:
+            if batch == OPAQUE:
+                self.report.append(f"%{reduce.name}: kept: reduces a per-example value whose batch dimension "
+                                   f"the analysis lost")
+            return None
+        name = f"%{reduce.name}"
+        reducer = reduce.attrs.get("to_apply")
+        if not isinstance(reducer, HloComputation) or reducer_opcode(reducer) != "add":
+            self.report.append(f"{name}: kept: sums over the batch with a reducer other than add")
+            return None
+        if reduce.shape.dtype not in FLOAT_DTYPES:
+            self.report.append(f"{name}: kept: not floating point")
+            return None
+        if _constant_value(reduce.operand(1)) != 0.0:
+            self.report.append(f"{name}: kept: its init is not zero")
+            return None
+        count = math.prod(operand.shape.dims[d] for d in dims)
+        kept = [s for i, s in enumerate(operand.shape.dims) if i not in dims and s != 1]
+        signature = (tuple(operand.shape.dims), tuple(sorted(dims)), count)
+        value = _through_unit_reshapes(reduce)
+        if value is None:
+            self.report.append(f"{name}: kept: its sum has users besides its mean (not a statistic)")
+            return None
+        if not _divides_by(value.users[0] if len(value.users) == 1 else None, value, count):
+            self.report.append(f"{name}: kept: its sum is not divided by its {count} elements "
+                               f"(a gradient or a total, not a mean)")
+            return None
+        divide = value.users[0]
+        if not kept:
+            self.report.append(f"{name}: kept: a mean over every dimension (a loss or a global value, "
+                               f"not a per-feature statistic)")
+            return None
+        if not _flows_back(divide, info):
+            self._kept_means[signature] = reduce
+            self.report.append(f"{name}: kept: its mean does not flow back into the examples (not a "
+                               f"normalisation statistic)")
+            return None
+        return _Statistic(reduce, divide, signature, count)
+
+
+@dataclasses.dataclass
+class _Plan:
+    owner: DistributedBatchNorm
+    statistics: list[_Statistic]
+    gradients: list[_Gradient]
+    groups: list[list[int]]
+    mode: str
+    k: int
+
+    def apply(self, module: HloModule, channel_ids: ChannelIds) -> bool:
+        if self.k == 1 or not self.statistics:
+            if self.statistics:
+                self.owner.report.append("groups of one device: nothing to share")
+            return False
+        reducers: dict[str, HloComputation] = {}
+        for stat in self.statistics:
+            dtype = stat.reduce.shape.dtype
+            if dtype not in reducers:
+                clone = module.clone_computation(stat.reduce.attrs["to_apply"], suffix="group_sum")
+                module.remove_computation(clone)  # defined before the computation that calls it
+                reducers[dtype] = module.add_computation(clone, before=stat.reduce.parent)
+        where = _groups_text(self.groups)
+        for stat in self.statistics:
+            self._group(stat.divide, stat.count, reducers, channel_ids)
+            self.owner.report.append(
+                f"%{stat.reduce.name}: statistic (mean over dims {{{','.join(map(str, stat.signature[1]))}}} of "
+                f"{_dims_text(stat.signature[0])}): summed over {where}, divisor {stat.count} -> "
+                f"{stat.count * self.k}")
+        for grad in self.gradients:
+            if grad.divide.operand(0).shape.dtype not in reducers:
+                raise self.owner.fail(f"no add reducer of {grad.divide.operand(0).shape.dtype}", grad.divide)
+            self._group(grad.divide, grad.count, reducers, channel_ids)
+            self.owner.report.append(
+                f"%{grad.divide.name}: gradient through a statistic (broadcast back over the batch by "
+                f"%{grad.broadcast.name}): summed over {where}, divisor {grad.count} -> {grad.count * self.k}")
+        return True
+
+    def _group(self, divide: HloInstruction, count: int, reducers, channel_ids: ChannelIds) -> None:
+        """`divide(n, count)` -> `divide(all-reduce(n) over the groups, count * k)`, for every user."""
+        comp = divide.parent
+        numerator = divide.operand(0)
+        attrs = {"replica_groups": ReplicaGroups.of(self.groups)}
+        if self.mode == "devices":
+            attrs = {"channel_id": channel_ids.fresh(), **attrs, "use_global_device_ids": True}
+        attrs["to_apply"] = reducers[numerator.shape.dtype]
+        summed = comp.add_instruction("all-reduce", [numerator], numerator.shape, name=f"{numerator.name}.group",
+                                      attrs=attrs, before=divide)
+        scalar = Shape.array(divide.shape.dtype, ())
+        total = count * self.k
+        value = str(total) if divide.opcode == "divide" else repr(float(np.array(1.0 / total, dtype=np.float64)))
+        constant = comp.add_instruction("constant", (), scalar, name=f"{divide.name}.count", before=divide,
+                                        literal=Literal.parse(scalar, value))
+        counts = constant if not divide.shape.dims else comp.add_instruction(
+            "broadcast", [constant], divide.shape, name=f"{divide.name}.counts", attrs={"dimensions": ()},
+            before=divide)
+        keep = {key: v for key, v in divide.attrs.items() if key == "metadata"}
+        new = comp.add_instruction(divide.opcode, [summed, counts], divide.shape, attrs=keep, before=divide)
+        divide.replace_all_uses_with(new)
+        comp.remove_instruction(divide)
+        new.rename(divide.name)
+
+
+# -- the batch dimension of every value ----------------------------------------------------------------
+
+class _BatchDims:
+    """Which dimension of each value is the per-device batch: an int, None (no batch: a parameter, a
+    constant, a statistic), OPAQUE (per-example, dimension unknown), a tuple for tuples."""
+
+    def __init__(self, module: HloModule):
+        self.module = module
+        self._calls: dict[tuple, object] = {}
+
+    def analyse(self, comp: HloComputation, params: dict[int, int]) -> dict:
+        info: dict = {}
+        for instr in comp.post_order():
+            info[instr] = self._of(instr, info, params)
+        return info
+
+    def _of(self, instr: HloInstruction, info: dict, params: dict[int, int]):
+        op = instr.opcode
+        if op == "parameter":
+            return params.get(instr.parameter_number)
+        ins = [info.get(o) for o in instr.operands]
+        if all(_none(x) for x in ins) and op != "call":
+            return None if not instr.shape.is_tuple else _nones(instr.shape)
+        if op == "get-tuple-element":
+            tup = ins[0]
+            return tup[instr.attrs["index"]] if isinstance(tup, tuple) else OPAQUE
+        if op == "tuple":
+            return tuple(ins)
+        if op in ELEMENTWISE or op in ("all-reduce", "copy", "opt-barrier") and not instr.shape.is_tuple:
+            known = {x for x in ins if x is not None}
+            return known.pop() if len(known) == 1 else OPAQUE
+        if op == "broadcast":
+            b = ins[0]
+            return instr.attrs["dimensions"][b] if isinstance(b, int) and b >= 0 else OPAQUE
+        if op in _UNIT_SHAPE_OPS:
+            return _reshaped(ins[0], instr.operand(0).shape.dims, instr.shape.dims)
+        if op == "transpose":
+            b = ins[0]
+            return list(instr.attrs["dimensions"]).index(b) if isinstance(b, int) and b >= 0 else OPAQUE
+        if op == "reduce" and instr.operand_count == 2 and not instr.shape.is_tuple:
+            b = ins[0]
+            dims = tuple(instr.attrs.get("dimensions", ()))
+            if not isinstance(b, int) or b < 0:
+                return OPAQUE
+            return None if b in dims else b - sum(1 for d in dims if d < b)
+        if op == "convolution":
+            return _convolution(instr, ins)
+        if op == "dot":
+            return _dot(instr, ins)
+        if op == "call":
+            return self._call(instr, ins)
+        if op in _BATCH_PRESERVING:
+            return _preserving(instr, ins)
+        if op == "gather":
+            return _gather(instr, ins)
+        if op == "scatter" and instr.operand_count == 3:
+            return _scatter(instr, ins)
+        if instr.shape.is_tuple:
+            return tuple(OPAQUE for _ in instr.shape.tuple_shapes)
+        return OPAQUE
+
+    def _call(self, instr: HloInstruction, ins: list):
+        callee = instr.attrs["to_apply"]
+        key = (callee.name, tuple(map(str, ins)))
+        if key not in self._calls:
+            inner = self.analyse(callee, {n: x for n, x in enumerate(ins) if isinstance(x, int)})
+            for n, x in enumerate(ins):
+                if x is not None and not isinstance(x, int):
+                    raise Refusal(f"%{instr.name} passes a tuple or opaque per-example value to %{callee.name}")
+            for i in callee.instructions:
+                if i.opcode == "reduce" and _reduces_batch(i, inner):
+                    raise Refusal(f"%{i.name} in %{callee.name} (called by %{instr.name}) reduces over the batch; "
+                                  f"run call-inliner first")
+            self._calls[key] = inner.get(callee.root)
+        return self._calls[key]
+
+
+def _none(x) -> bool:
+    return x is None or (isinstance(x, tuple) and all(_none(e) for e in x))
+
+
+def _nones(shape: Shape):
+    return tuple(_nones(s) if s.is_tuple else None for s in shape.tuple_shapes)
+
+
+def _reduces_batch(reduce: HloInstruction, info: dict) -> bool:
+    b = info.get(reduce.operand(0))
+    return b == OPAQUE or (isinstance(b, int) and b in tuple(reduce.attrs.get("dimensions", ())))
+
+
+def _reshaped(b, before: tuple, after: tuple):
+    """The batch dim `b` of `before` in the reshaped `after`, when the reshape keeps it whole."""
+    if not isinstance(b, int) or b < 0:
+        return OPAQUE
+    leading = math.prod(before[:b])
+    product = 1
+    for j, size in enumerate(after):
+        if product == leading and size == before[b]:
+            # the dims after b must start at the same boundary: true when the prefix products agree
+            return j
+        product *= size
+        if product > leading:
+            break
+    return OPAQUE
+
+
+def _convolution(instr: HloInstruction, ins: list):
+    dn = instr.attrs["dim_labels"]
+    lhs, rhs = ins[0], ins[1]
+    if any(x is not None and (not isinstance(x, int) or x < 0) for x in (lhs, rhs)):
+        return OPAQUE
+    if any(instr.attrs.get(key, 1) not in (1, None) for key in ("feature_group_count", "batch_group_count")):
+        return OPAQUE
+    out = set()
+    if lhs is not None:
+        if lhs == dn.input_batch:
+            out.add(dn.output_batch)
+        elif lhs == dn.input_feature:
+            out.add(None)   # contracted: a sum over the batch (a weight gradient)
+        else:
+            return OPAQUE
+    if rhs is not None:
+        if rhs == dn.kernel_output_feature:
+            out.add(dn.output_feature)
+        elif rhs == dn.kernel_input_feature:
+            out.add(None)
+        else:
+            return OPAQUE
+    return out.pop() if len(out) == 1 else OPAQUE
+
+
+def _dot(instr: HloInstruction, ins: list):
+    attrs = instr.attrs
+    lb, rb = tuple(attrs.get("lhs_batch_dims", ())), tuple(attrs.get("rhs_batch_dims", ()))
+    lc, rc = tuple(attrs.get("lhs_contracting_dims", ())), tuple(attrs.get("rhs_contracting_dims", ()))
+    lrank, rrank = instr.operand(0).shape.rank, instr.operand(1).shape.rank
+    lfree = [d for d in range(lrank) if d not in lb and d not in lc]
+    rfree = [d for d in range(rrank) if d not in rb and d not in rc]
+    out = set()
+    for x, batch, contracting, free, offset in ((ins[0], lb, lc, lfree, len(lb)),
+                                                 (ins[1], rb, rc, rfree, len(lb) + len(lfree))):
+        if x is None:
+            continue
+        if not isinstance(x, int) or x < 0:
+            return OPAQUE
+        if x in batch:
+            out.add(batch.index(x))
+        elif x in contracting:
+            out.add(None)
+        else:
+            out.add(offset + free.index(x))
+    return out.pop() if len(out) == 1 else OPAQUE
+
+
+_BATCH_PRESERVING = frozenset({"slice", "pad", "dynamic-slice", "dynamic-update-slice", "reverse", "concatenate",
+                               "reduce-window", "select-and-scatter"})
+
+
+def _preserving(instr: HloInstruction, ins: list):
+    """Ops that keep every example where it is when they leave the batch dimension alone."""
+    known = {x for x in ins if x is not None}
+    if len(known) != 1 or instr.shape.is_tuple:
+        return OPAQUE
+    b = known.pop()
+    if not isinstance(b, int) or b < 0:
+        return OPAQUE
+    source = next(o for o, x in zip(instr.operands, ins) if x is not None)
+    if b >= instr.shape.rank or instr.shape.dims[b] != source.shape.dims[b]:
+        return OPAQUE
+    op, attrs = instr.opcode, instr.attrs
+    if op in ("reduce-window", "select-and-scatter"):
+        window = attrs.get("window")
+        dims = getattr(window, "dimensions", None)
+        if not dims or len(dims) <= b or (dims[b].size, dims[b].stride, dims[b].padding_low, dims[b].padding_high,
+                                          dims[b].window_dilation, dims[b].base_dilation) != (1, 1, 0, 0, 1, 1):
+            return OPAQUE
+    if op == "reverse" and b in tuple(attrs.get("dimensions", ())):
+        return OPAQUE
+    if op == "concatenate" and b in tuple(attrs.get("dimensions", ())):
+        return OPAQUE
+    if op == "dynamic-update-slice" and (ins[0] != b or instr.operand(1).shape.dims[b] != instr.shape.dims[b]):
+        return OPAQUE
+    if op == "select-and-scatter" and ins[0] != b:
+        return OPAQUE
+    return b
+
+
+def _agree(found: set):
+    return found.pop() if len(found) == 1 else OPAQUE
+
+
+def _gather(instr: HloInstruction, ins: list):
+    """Gather: the batch of the indices (or of an operand dimension batched with them, or sliced whole)."""
+    a = instr.attrs
+    operand, indices = ins
+    offset = tuple(a.get("offset_dims", ()))
+    collapsed = tuple(a.get("collapsed_slice_dims", ()))
+    operand_batching = tuple(a.get("operand_batching_dims", ()))
+    indices_batching = tuple(a.get("start_indices_batching_dims", ()))
+    vector_dim = a.get("index_vector_dim")
+    indices_rank = instr.operand(1).shape.rank
+    batch_positions = [d for d in range(instr.shape.rank) if d not in offset]
+    indices_dims = [d for d in range(indices_rank) if d != vector_dim]
+    found = set()
+    for x, is_operand in ((operand, True), (indices, False)):
+        if x is None:
+            continue
+        if not isinstance(x, int) or x < 0:
+            return OPAQUE
+        if is_operand:
+            if x in operand_batching:
+                x = indices_batching[operand_batching.index(x)]
+            elif x not in collapsed and a.get("slice_sizes", ())[x] == instr.operand(0).shape.dims[x]:
+                window = [d for d in range(instr.operand(0).shape.rank)
+                          if d not in collapsed and d not in operand_batching]
+                found.add(offset[window.index(x)])
+                continue
+            else:
+                return OPAQUE
+        if x not in indices_dims:
+            return OPAQUE
+        found.add(batch_positions[indices_dims.index(x)])
+    return _agree(found)
+
+
+def _scatter(instr: HloInstruction, ins: list):
+    """Scatter: the operand's batch, or the updates' batch where it is a window or batching dimension."""
+    a = instr.attrs
+    operand, indices, updates = ins
+    window_dims = tuple(a.get("update_window_dims", ()))
+    inserted = tuple(a.get("inserted_window_dims", ()))
+    input_batching = tuple(a.get("input_batching_dims", ()))
+    indices_batching = tuple(a.get("scatter_indices_batching_dims", ()))
+    vector_dim = a.get("index_vector_dim")
+    rank = instr.shape.rank
+    found = set()
+    if operand is not None:
+        if not isinstance(operand, int) or operand < 0:
+            return OPAQUE
+        found.add(operand)
+    operand_window = [d for d in range(rank) if d not in inserted and d not in input_batching]
+    indices_dims = [d for d in range(instr.operand(1).shape.rank) if d != vector_dim]
+    update_scatter = [d for d in range(instr.operand(2).shape.rank) if d not in window_dims]
+    for x, is_updates in ((updates, True), (indices, False)):
+        if x is None:
+            continue
+        if not isinstance(x, int) or x < 0:
+            return OPAQUE
+        if is_updates:
+            if x in window_dims:
+                found.add(operand_window[window_dims.index(x)])
+                continue
+            x = indices_dims[update_scatter.index(x)]
+        if x not in indices_batching:
+            return OPAQUE
+        found.add(input_batching[indices_batching.index(x)])
+    return _agree(found)
+
+
+# -- patterns ------------------------------------------------------------------------------------------
+
+def _is_unit_reshape(instr: HloInstruction) -> bool:
+    """A reshape that only adds or removes dimensions of size 1, a broadcast to its own shape, or a
+    sum over dimensions of size 1 (JAX's transpose of a keepdims broadcast)."""
+    if instr.opcode == "reduce" and instr.operand_count == 2 and not instr.shape.is_tuple:
+        reducer = instr.attrs.get("to_apply")
+        return (isinstance(reducer, HloComputation) and reducer_opcode(reducer) == "add"
+                and _constant_value(instr.operand(1)) == 0.0
+                and all(instr.operand(0).shape.dims[d] == 1 for d in instr.attrs.get("dimensions", ())))
+    if instr.opcode in _UNIT_SHAPE_OPS:
+        return ([d for d in instr.shape.dims if d != 1] == [d for d in instr.operand(0).shape.dims if d != 1])
+    if instr.opcode == "broadcast":
+        return (instr.shape.dims == instr.operand(0).shape.dims
+                and tuple(instr.attrs["dimensions"]) == tuple(range(instr.shape.rank)))
+    return False
+
+
+def _through_unit_reshapes(instr: HloInstruction) -> HloInstruction | None:
+    """The last of the single-user chain of unit reshapes from `instr`; None when a link has other users."""
+    while True:
+        if len(instr.users) != 1 or instr.is_root:
+            return None
+        user = instr.users[0]
+        if not _is_unit_reshape(user):
+            return instr
+        instr = user
+
+
+_FOLDED = {"add": np.add, "subtract": np.subtract, "multiply": np.multiply, "divide": np.divide}
+
+
+def _constant_value(instr: HloInstruction, depth: int = 0) -> float | None:
+    """The value of a scalar constant expression (constants, convert, broadcast and reshape of one,
+    + - * / of two: `jnp.var` computes its count as `108 - 0`); None for anything else."""
+    if depth > 8:
+        return None
+    while True:
+        if instr.opcode == "get-tuple-element" and instr.operand(0).opcode == "tuple":
+            instr = instr.operand(0).operand(instr.attrs["index"])
+        elif instr.opcode in ("broadcast", "convert") or instr.opcode in _UNIT_SHAPE_OPS:
+            instr = instr.operand(0)
+        else:
+            break
+    if instr.shape.rank != 0 and math.prod(instr.shape.dims) != 1:
+        return None
+    if instr.opcode == "constant":
+        return float(np.asarray(instr.literal.to_numpy()).reshape(()))
+    if instr.opcode in _FOLDED:
+        a, b = (_constant_value(o, depth + 1) for o in instr.operands)
+        if a is None or b is None or (instr.opcode == "divide" and b == 0):
+            return None
+        return float(_FOLDED[instr.opcode](np.float64(a), np.float64(b)))
+    return None
+
+
+def _divides_by(instr: HloInstruction | None, value: HloInstruction, count: int) -> bool:
+    """Whether `instr` is value / count or value * (1/count) (the constant exactly that, in its type)."""
+    if instr is None or instr.operand_count != 2 or instr.control_predecessors or instr.control_successors:
+        return False
+    if instr.opcode == "divide" and instr.operand(0) is value and instr.operand(1) is not value:
+        return _constant_value(instr.operand(1)) == float(count)
+    if instr.opcode == "multiply" and instr.operand(0) is value and instr.operand(1) is not value:
+        c = _constant_value(instr.operand(1))
+        dtype = np.dtype(np.float32) if instr.shape.dtype == "f32" else np.dtype(np.float64)
+        return c is not None and c == float(np.array(1.0, dtype) / np.array(count, dtype))
+    return False
+
+
+def _reaches(value: HloInstruction, info: dict, stops: set) -> set[str]:
+    """How `value`, through values with no batch dimension and not through `stops`, reaches
+    per-example values: a set of "direct" and "all-reduce" (after an all-reduce); empty: it does not."""
+    found, seen, stack = set(), set(), [(value, False)]
+    while stack:
+        current, reduced = stack.pop()
+        for user in current.users:
+            now = reduced or (user.opcode == "all-reduce" and not _over_single_devices(user))
+            if user in stops or (user, now) in seen:
+                continue
+            seen.add((user, now))
+            if user.opcode == "tuple":   # follow the element to its get-tuple-elements
+                indices = {i for i, o in enumerate(user.operands) if o is current}
+                for reader in user.users:
+                    if reader.opcode == "get-tuple-element" and reader.attrs["index"] in indices:
+                        stack.append((reader, now)) if _none(info.get(reader)) else found.add(
+                            "all-reduce" if now else "direct")
+                    elif reader.opcode != "get-tuple-element":
+                        found.add("all-reduce" if now else "direct")   # passed on whole: assume the worst
+                continue
+            if not _none(info.get(user)):
+                found.add("all-reduce" if now else "direct")
+                continue
+            stack.append((user, now))
+    return found
+
+
+def _over_single_devices(all_reduce: HloInstruction) -> bool:
+    """An all-reduce whose every group is one device (a `pmean` over a mesh axis of size 1): the identity."""
+    groups = all_reduce.attrs.get("replica_groups")
+    return isinstance(groups, ReplicaGroups) and bool(groups.groups) and all(len(g) == 1 for g in groups.groups)
+
+
+def _flows_back(mean: HloInstruction, info: dict) -> bool:
+    """Whether `mean`, through values with no batch dimension, reaches an operand of a per-example value."""
+    seen, stack = set(), [mean]
+    while stack:
+        value = stack.pop()
+        for user in value.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if not _none(info.get(user)):
+                return True
+            stack.append(user)
+    return False
+
+
+def _gradient(broadcast: HloInstruction, means: set, signatures: set) -> _Gradient | None:
+    """A broadcast of `count`-divided value over the reduced dimensions of a statistic's signature."""
+    value = broadcast.operand(0)
+    while _is_unit_reshape(value) and len(value.users) == 1:
+        value = value.operand(0)
+    if value in means or len(value.users) != 1 or value.operand_count != 2:
+        return None
+    dims = tuple(broadcast.attrs["dimensions"])
+    for shape, reduced, count in signatures:
+        if tuple(broadcast.shape.dims) != shape:
+            continue
+        kept = tuple(d for d in range(len(shape)) if d not in reduced)
+        if tuple(d for d in dims if shape[d] != 1) != tuple(d for d in kept if shape[d] != 1):
+            continue
+        if set(dims) & set(reduced) - {d for d in reduced if shape[d] == 1}:
+            continue
+        if _divides_by(value, value.operand(0), count):
+            return _Gradient(value, broadcast, (shape, reduced, count), count)
+    return None
+
+
+def _parse_groups(text: str) -> list[list[int]]:
+    try:
+        groups = [[int(x) for x in re.split(r"[\s:+]+", part.strip()) if x] for part in text.split(";") if part.strip()]
+    except ValueError:
+        raise ValueError(f"groups={text!r} is not groups of positions like 0:1;2:3") from None
+    if not groups or any(not g for g in groups) or len({len(g) for g in groups}) != 1:
+        raise ValueError(f"groups={text!r}: give groups of the same size, like 0:1;2:3")
+    return groups
+
+
+def _groups_text(groups: list[list[int]]) -> str:
+    return "{" + ",".join("{" + ",".join(map(str, g)) + "}" for g in groups) + "}"
+
+
+def _dims_text(dims) -> str:
+    return "[" + ",".join(map(str, dims)) + "]"
+
+
+def _describe(signature) -> str:
+    shape, reduced, count = signature
+    return f"dims {{{','.join(map(str, reduced))}}} of {_dims_text(shape)} ({count} elements)"
