@@ -212,3 +212,201 @@ def data_parallel_step(spec: ModelSpec, mesh: jax.sharding.Mesh, *, batch_per_de
     labels = rng.integers(0, spec.classes, labels_shape.shape).astype(np.int32)
     inputs, labels = jax.device_put((inputs, labels), NamedSharding(mesh, split))
     return step, (params, state, opt_state, inputs, labels)
+
+
+# --- Mixture of experts (the ST-MoE seed) -------------------------------------------------------
+
+
+class MoEBlock(nn.Module):
+    """A top-2 mixture-of-experts MLP (ST-MoE / GShard routing) over `[tokens, width]`.
+
+    The router (a bias-free Dense to `num_experts` logits, computed in float32) sends each token to
+    its two most probable experts with gates renormalized to sum to 1. Every expert takes at most
+    `capacity = ceil(2 * tokens * capacity_factor / num_experts)` tokens of this call: top-1
+    choices are placed first, in token order, then the top-2 choices; a choice over capacity is
+    dropped (a token with both choices dropped passes through the residual only).
+
+    Expert weights are `w_in [E, width, mlp_width]` and `w_out [E, mlp_width, width]`. With
+    `expert_axis=None` all E experts are local. Inside `shard_map` with `expert_axis="data"` and
+    `expert_shards=n`, each device holds `E / n` experts (parameters of leading dimension `E / n`):
+    its `[E, capacity, width]` dispatched tokens go to the experts' devices with one
+    `lax.all_to_all` and come back with another.
+
+    Returns `(output [tokens, width], aux)`, `aux` holding the Switch load-balancing loss
+    (`E * sum_e f_e * P_e`, f_e the fraction of tokens whose top-1 is e, P_e the mean router
+    probability of e) and the router z-loss (`mean(logsumexp(logits) ** 2)`), and `dropped`, the
+    fraction of the 2 * tokens choices over capacity.
+    """
+
+    num_experts: int = 8
+    mlp_width: int = 64
+    capacity_factor: float = 1.25
+    expert_axis: str | None = None
+    expert_shards: int = 1
+
+    def capacity(self, tokens: int) -> int:
+        return int(np.ceil(2 * tokens * self.capacity_factor / self.num_experts))
+
+    @nn.compact
+    def __call__(self, x):
+        tokens, width = x.shape
+        experts, capacity = self.num_experts, self.capacity(x.shape[0])
+        logits = nn.Dense(experts, use_bias=False, name="router")(x.astype(jnp.float32))
+        probs = jax.nn.softmax(logits, axis=-1)
+        first = jnp.argmax(probs, axis=-1)
+        mask1 = jax.nn.one_hot(first, experts, dtype=jnp.float32)
+        second = jnp.argmax(probs * (1.0 - mask1), axis=-1)
+        mask2 = jax.nn.one_hot(second, experts, dtype=jnp.float32)
+        gate1, gate2 = (probs * mask1).sum(-1), (probs * mask2).sum(-1)
+        gate1, gate2 = gate1 / (gate1 + gate2), gate2 / (gate1 + gate2)
+        # Positions in each expert's buffer: top-1 choices first, then top-2 after every kept top-1.
+        position1 = jnp.cumsum(mask1, axis=0) * mask1 - mask1
+        mask1 = mask1 * (position1 < capacity)
+        position2 = (jnp.cumsum(mask2, axis=0) - mask2 + mask1.sum(axis=0, keepdims=True)) * mask2
+        mask2 = mask2 * (position2 < capacity)
+        slot1 = jax.nn.one_hot((position1 * mask1).sum(-1).astype(jnp.int32), capacity, dtype=jnp.float32)
+        slot2 = jax.nn.one_hot((position2 * mask2).sum(-1).astype(jnp.int32), capacity, dtype=jnp.float32)
+        dispatch = mask1[:, :, None] * slot1[:, None, :] + mask2[:, :, None] * slot2[:, None, :]  # [T, E, C]
+        combine = (gate1[:, None, None] * mask1[:, :, None] * slot1[:, None, :]
+                   + gate2[:, None, None] * mask2[:, :, None] * slot2[:, None, :])
+        expert_inputs = jnp.einsum("tec,td->ecd", dispatch, x)  # [E, C, width]
+
+        local = experts // self.expert_shards
+        init = nn.initializers.lecun_normal(batch_axis=(0,))
+        w_in = self.param("w_in", init, (local, width, self.mlp_width))
+        w_out = self.param("w_out", init, (local, self.mlp_width, width))
+        if self.expert_axis is not None:
+            # [E, C, w] -> each device gets its experts' slice from every device: [n * local, C, w],
+            # ordered (source device, local expert).
+            expert_inputs = jax.lax.all_to_all(expert_inputs, self.expert_axis, 0, 0, tiled=True)
+            expert_inputs = expert_inputs.reshape(self.expert_shards, local, capacity, width)
+            expert_inputs = expert_inputs.transpose(1, 0, 2, 3).reshape(local, self.expert_shards * capacity, width)
+        hidden = nn.gelu(jnp.einsum("lsd,ldh->lsh", expert_inputs, w_in))
+        expert_outputs = jnp.einsum("lsh,lhd->lsd", hidden, w_out)
+        if self.expert_axis is not None:
+            expert_outputs = expert_outputs.reshape(local, self.expert_shards, capacity, width).transpose(1, 0, 2, 3)
+            expert_outputs = jax.lax.all_to_all(expert_outputs.reshape(experts, capacity, width),
+                                                self.expert_axis, 0, 0, tiled=True)
+        output = jnp.einsum("tec,ecd->td", combine, expert_outputs)
+
+        balance = experts * jnp.sum(jax.nn.one_hot(first, experts).mean(axis=0) * probs.mean(axis=0))
+        z_loss = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+        dropped = 1.0 - (mask1.sum() + mask2.sum()) / (2 * tokens)
+        return output, {"balance": balance, "z_loss": z_loss, "dropped": dropped}
+
+
+class MoEModel(nn.Module):
+    """Token classifier: embedding (+ learned positions), one pre-norm MoE block, LayerNorm, vocabulary head.
+
+    `__call__(tokens [batch, length])` returns `(logits [batch, length, vocabulary], aux)`.
+    """
+
+    vocabulary: int = 64
+    width: int = 32
+    max_length: int = 16
+    num_experts: int = 8
+    mlp_width: int = 64
+    capacity_factor: float = 1.25
+    expert_axis: str | None = None
+    expert_shards: int = 1
+
+    @nn.compact
+    def __call__(self, tokens):
+        batch, length = tokens.shape
+        x = nn.Embed(self.vocabulary, self.width)(tokens)
+        x = x + self.param("positions", nn.initializers.normal(0.02), (self.max_length, self.width))[:length]
+        x = x.reshape(batch * length, self.width)
+        y, aux = MoEBlock(self.num_experts, self.mlp_width, self.capacity_factor, self.expert_axis,
+                          self.expert_shards)(nn.LayerNorm()(x))
+        x = x + y
+        logits = nn.Dense(self.vocabulary)(nn.LayerNorm()(x))
+        return logits.reshape(batch, length, self.vocabulary), aux
+
+
+MOE_EXPERT_WEIGHTS = ("w_in", "w_out")
+BALANCE_LOSS_WEIGHT = 1e-2  # ST-MoE's load-balancing coefficient
+Z_LOSS_WEIGHT = 1e-3  # ST-MoE's router z-loss coefficient
+
+
+def moe_loss(model: MoEModel, params, tokens, labels):
+    """One group's loss: mean cross-entropy + 1e-2 * load balancing + 1e-3 * router z-loss; and `aux`."""
+    logits, aux = model.apply({"params": params}, tokens)
+    cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    loss = cross_entropy + BALANCE_LOSS_WEIGHT * aux["balance"] + Z_LOSS_WEIGHT * aux["z_loss"]
+    return loss, {**aux, "cross_entropy": cross_entropy}
+
+
+def _is_expert_weight(path) -> bool:
+    """Whether a pytree path (of params, grads or optimizer state) leads to an expert's weight."""
+    return any(getattr(key, "key", None) in MOE_EXPERT_WEIGHTS for key in path)
+
+
+def moe_partition_specs(tree):
+    """`P("data")` for the experts' weights (and their optimizer state), `P()` for everything else."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: P("data") if _is_expert_weight(path) else P(), tree)
+
+
+def moe_step(mesh: jax.sharding.Mesh, *, model: MoEModel | None = None, batch_per_device: int = 4,
+             optimizer=None, donate: bool = True, jit=jax.jit, seed: int = 0):
+    """An expert-parallel + data-parallel MoE training step over the mesh's "data" axis, with its inputs.
+
+    Every device takes `batch_per_device` sequences (its routing group) and holds
+    `num_experts / devices` experts; dispatched tokens travel to their expert's device and back
+    by `all_to_all`. The loss and gradients are the mean over devices of each group's `moe_loss`:
+    the replicated weights' gradients (embedding, positions, router, norms, head) are averaged
+    with `lax.pmean`; an expert's gradient already sums every device's tokens (the backward
+    all-to-all brings them), so it is divided by the device count and stays on its device.
+    Adam (unless given) updates both. Returns `(step, (params, opt_state, tokens, labels))`;
+    the step returns the new params and opt_state and the mean loss, donating the first two
+    when `donate`.
+    """
+    model = model or MoEModel()
+    optimizer = optimizer or optax.adam(1e-3)
+    devices = mesh.shape["data"]
+    local_model = model.clone(expert_axis="data", expert_shards=devices)
+
+    def train_step(params, opt_state, tokens, labels):
+        (loss, _), grads = jax.value_and_grad(partial(moe_loss, local_model), has_aux=True)(params, tokens, labels)
+        grads = jax.tree_util.tree_map_with_path(
+            lambda path, g: g / devices if _is_expert_weight(path) else jax.lax.pmean(g, "data"), grads)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, "data")
+
+    params = jax.jit(model.init)(jax.random.key(seed), jnp.zeros((1, model.max_length), jnp.int32))["params"]
+    param_specs = moe_partition_specs(params)
+    opt_state = jax.jit(optimizer.init)(params)
+    opt_specs = moe_partition_specs(opt_state)
+    step = jit(jax.shard_map(train_step, mesh=mesh, in_specs=(param_specs, opt_specs, P("data"), P("data")),
+                             out_specs=(param_specs, opt_specs, P()), check_vma=False),
+               donate_argnums=(0, 1) if donate else ())
+    shardings = lambda specs: jax.tree.map(lambda s: NamedSharding(mesh, s), specs,  # noqa: E731
+                                           is_leaf=lambda s: isinstance(s, P))
+    params = jax.device_put(params, shardings(param_specs))
+    opt_state = jax.device_put(opt_state, shardings(opt_specs))
+    rng = np.random.default_rng(seed)
+    shape = (devices * batch_per_device, model.max_length)
+    tokens = rng.integers(0, model.vocabulary, shape).astype(np.int32)
+    labels = rng.integers(0, model.vocabulary, shape).astype(np.int32)
+    tokens, labels = jax.device_put((tokens, labels), NamedSharding(mesh, P("data")))
+    return step, (params, opt_state, tokens, labels)
+
+
+def moe_reference_step(model: MoEModel, devices: int, optimizer=None):
+    """The same training step on one device, no collectives: all experts local, the batch cut into
+    `devices` routing groups, the loss their mean. Called as `(params, opt_state, tokens, labels)`
+    with full (global) arrays; returns the new params, opt_state and the loss."""
+    optimizer = optimizer or optax.adam(1e-3)
+    model = model.clone(expert_axis=None, expert_shards=1)
+
+    def loss_fn(params, tokens, labels):
+        groups = lambda a: a.reshape(devices, -1, *a.shape[1:])  # noqa: E731
+        losses = [moe_loss(model, params, t, y)[0] for t, y in zip(groups(tokens), groups(labels))]
+        return sum(losses) / devices
+
+    @jax.jit
+    def step(params, opt_state, tokens, labels):
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, labels)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
