@@ -141,7 +141,9 @@ def parameter_shapes(spec: ModelSpec) -> list[tuple[str, tuple[int, ...]]]:
     return [(jax.tree_util.keystr(path), leaf.shape) for path, leaf in jax.tree_util.tree_leaves_with_path(params)]
 
 
-def _loss_and_gradients(spec: ModelSpec, params, state, inputs, labels):
+def loss_and_gradients(spec: ModelSpec, params, state, inputs, labels):
+    """The mean cross-entropy of one device's examples, its gradient, and the updated model state
+    (batch-norm statistics): the per-device half of every step built here."""
     def loss_fn(p):
         logits, updates = spec.model.apply({"params": p, **state}, inputs, mutable=list(state))
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
@@ -160,7 +162,7 @@ def step_flops(spec: ModelSpec, batch: int, optimizer=None) -> dict[str, float]:
     state = {k: v for k, v in variables.items() if k != "params"}
 
     def gradients(params, state, inputs, labels):
-        with_axis = jax.vmap(lambda p, s, x, y: _loss_and_gradients(spec, p, s, x, y),
+        with_axis = jax.vmap(lambda p, s, x, y: loss_and_gradients(spec, p, s, x, y),
                              in_axes=(None, None, None, None), axis_size=1, axis_name="data")
         return with_axis(params, state, inputs, labels)
 
@@ -188,7 +190,7 @@ def data_parallel_step(spec: ModelSpec, mesh: jax.sharding.Mesh, *, batch_per_de
     devices = mesh.shape["data"]
 
     def train_step(params, state, opt_state, inputs, labels):
-        loss, grads, updates = _loss_and_gradients(spec, params, state, inputs, labels)
+        loss, grads, updates = loss_and_gradients(spec, params, state, inputs, labels)
         grads = jax.lax.pmean(grads, "data")
         updates = jax.lax.pmean(updates, "data")
         new_updates, opt_state = optimizer.update(grads, opt_state, params)

@@ -400,7 +400,7 @@ def _resnet_step(k: int):
     axes = ("replicas", "data")
 
     def step(params, state, images, labels):
-        loss, grads, updates = models._loss_and_gradients(spec, params, state, images, labels)
+        loss, grads, updates = models.loss_and_gradients(spec, params, state, images, labels)
         stack = functools.partial(jax.tree.map, lambda a: a[None])
         return jax.lax.pmean(loss, axes), jax.lax.pmean(grads, axes), stack(grads), stack(updates)
 
@@ -501,7 +501,7 @@ def test_resnet50_groups_every_batch_norm():
     axes = ("replicas", "data")
 
     def step(params, state, images, labels):
-        loss, grads, updates = models._loss_and_gradients(spec, params, state, images, labels)
+        loss, grads, updates = models.loss_and_gradients(spec, params, state, images, labels)
         return jax.lax.pmean((loss, grads, updates), axes)
 
     step = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("replicas"), P("replicas")), out_specs=P(),
