@@ -412,3 +412,74 @@ def moe_reference_step(model: MoEModel, devices: int, optimizer=None):
         return optax.apply_updates(params, updates), opt_state, loss
 
     return step
+
+
+# --- Model parallelism beside data parallelism (the MLPerf v0.7 seed) ---------------------------
+
+
+def megatron_partition_spec(path, leaf) -> P:
+    """The Megatron split of a `Transformer` array (a parameter or its optimizer state) over "model".
+
+    In each `TransformerLayer`: the attention's query, key and value kernels `[width, heads,
+    head_dim]` and biases `[heads, head_dim]` and the MLP's first Dense (kernel `[width, mlp]`,
+    bias `[mlp]`) are split column-wise (by head, by hidden unit); the attention's output kernel
+    `[heads, head_dim, width]` and the MLP's second Dense kernel `[mlp, width]` row-wise. Their
+    output biases, the LayerNorms, the embeddings and the vocabulary projection stay replicated
+    (`P()`), as do scalars (Adam's step count).
+    """
+    keys = [getattr(key, "key", None) for key in path]
+    if not any(isinstance(k, str) and k.startswith("TransformerLayer_") for k in keys) or np.ndim(leaf) == 0:
+        return P()
+    name = keys[-1]
+    if any(k in ("query", "key", "value") for k in keys):
+        return P(None, "model", None) if name == "kernel" else P("model", None)
+    if "out" in keys:
+        return P("model", None, None) if name == "kernel" else P()
+    if "Dense_0" in keys:
+        return P(None, "model") if name == "kernel" else P("model")
+    if "Dense_1" in keys:
+        return P("model", None) if name == "kernel" else P()
+    return P()
+
+
+def model_parallel_step(spec: ModelSpec, mesh: jax.sharding.Mesh, *, batch_per_data_shard: int = 4,
+                        optimizer=None, donate: bool = True, jit=jax.jit, seed: int = 0):
+    """A `jax.jit` + `NamedSharding` training step of a `Transformer` spec on a `(data, model)` mesh.
+
+    The batch is split over "data"; the layers' weights (and their optimizer state) are split
+    over "model" as `megatron_partition_spec` says, everything else is replicated. XLA's
+    partitioner makes the collectives: the Megatron all-reduces of activations (and of their
+    gradients) over "model", and the gradient all-reduces over "data", the replicated weights'
+    too (what they see is already the same on every model shard). The optimizer is adamw unless
+    given. Returns
+    `(step, (params, opt_state, tokens, labels))`; the step returns the new params and opt_state
+    and the mean loss, donating the first two when `donate`.
+    """
+    optimizer = optimizer or optax.adamw(1e-3)
+    variables = _variables(spec, abstract=False)
+    params = variables["params"]
+    opt_state = jax.jit(optimizer.init)(params)
+    shardings = lambda tree: jax.tree_util.tree_map_with_path(  # noqa: E731
+        lambda path, leaf: NamedSharding(mesh, megatron_partition_spec(path, leaf)), tree)
+    param_shardings, opt_shardings = shardings(params), shardings(opt_state)
+    batch, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+
+    def train_step(params, opt_state, tokens, labels):
+        def loss_fn(p):
+            logits = spec.model.apply({"params": p}, tokens)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    step = jit(train_step, in_shardings=(param_shardings, opt_shardings, batch, batch),
+               out_shardings=(param_shardings, opt_shardings, replicated),
+               donate_argnums=(0, 1) if donate else ())
+    params, opt_state = jax.device_put((params, opt_state), (param_shardings, opt_shardings))
+    rng = np.random.default_rng(seed)
+    shape = (mesh.shape["data"] * batch_per_data_shard, *spec.example_shape)
+    tokens = rng.integers(0, spec.classes, shape).astype(np.int32)
+    labels = rng.integers(0, spec.classes, shape).astype(np.int32)
+    tokens, labels = jax.device_put((tokens, labels), batch)
+    return step, (params, opt_state, tokens, labels)
