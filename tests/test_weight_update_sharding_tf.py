@@ -78,7 +78,7 @@ def keras_steps(tmp_path_factory) -> dict[str, str]:
         pytest.skip("TensorFlow is not installed (pip install -e '.[tensorflow]')")
     target = tmp_path_factory.mktemp("keras") / "steps.json"
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow",
                PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
     done = subprocess.run([sys.executable, __file__, str(target)], env=env, capture_output=True, text=True,
                           timeout=300)

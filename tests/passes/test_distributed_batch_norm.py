@@ -327,8 +327,14 @@ def test_refuses_a_batch_norm_already_synchronized_over_the_replicas():
 # -- Keras 3 BatchNormalization on the JAX backend -------------------------------------------------------
 
 def _keras():
+    """Keras on JAX in this process; the variable is put back so child processes choose their own backend."""
+    before = os.environ.get("KERAS_BACKEND")
     os.environ.setdefault("KERAS_BACKEND", "jax")
-    keras = pytest.importorskip("keras")
+    try:
+        keras = pytest.importorskip("keras")
+    finally:
+        if before is None:
+            del os.environ["KERAS_BACKEND"]
     if keras.backend.backend() != "jax":
         pytest.skip(f"Keras runs on {keras.backend.backend()} in this process, not JAX")
     return keras
