@@ -73,7 +73,7 @@ def ratio(x: float, y: float) -> str:
 def collectives_of(hlo_text: str) -> dict[str, tuple[int, int]]:
     """(count, bytes moved on one device) of each collective kind of a compiled module."""
     import hlo_tools  # noqa: PLC0415
-    from hlo_tools.stats import module_stats  # noqa: PLC0415
+    from hlo_tools.inspection.stats import module_stats  # noqa: PLC0415
 
     summary = module_stats(hlo_tools.parse_module(hlo_text)).collective_summary()
     found = {s.kind: (s.count, s.bytes_moved) for s in summary}

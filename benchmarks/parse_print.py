@@ -8,7 +8,7 @@ and after them, times, as the median of several runs:
   * hlo_tools: ``parse_module`` (eager, and with ``lazy_bodies=True``: the entry
     computation only, as the JAX plugin's hook parses), ``to_text()`` and
     ``to_text(regenerate=True)``;
-  * XLA (through ``hlo_tools.xla_bridge``): ``hlo_module_from_text`` and ``to_string()``;
+  * XLA (through ``hlo_tools.xla.xla_bridge``): ``hlo_module_from_text`` and ``to_string()``;
 
 and prints a markdown table with the ratios ours / XLA. The two sides of each
 operation run in turn, so that changes in the machine's load hit both alike.
@@ -29,7 +29,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import hlo_tools
-from hlo_tools import xla_bridge
+from hlo_tools.xla import xla_bridge
 from xla_passes.training import use_cpu_devices
 
 MIN_LINES = 10_000

@@ -46,9 +46,9 @@ import jax
 
 import hlo_tools
 import xla_passes.jax
-from hlo_tools import proto_patch, xla_bridge
-from hlo_tools.parser import garbage_collection_paused
-from hlo_tools.verifier import verify_edits, verify_module
+from hlo_tools.xla import proto_patch, xla_bridge
+from hlo_tools.ir.parser import garbage_collection_paused
+from hlo_tools.ir.verifier import verify_edits, verify_module
 from xla_passes import Pipeline
 from xla_passes.configuration import Settings
 from xla_passes.training import (NO_XLA_COMBINER, build_flax_training, compile_step, hand_back_hook,

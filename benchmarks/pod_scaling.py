@@ -7,7 +7,7 @@ f32 gradients. Nothing is run at that size: JAX lowers each step at one chip's b
 cost analysis of the lowered program gives its flops, and the parameter shapes give the bytes.
 
 For each torus:RxC (2x4 to 64x64), with no failed chip and with one failed chip in the middle,
-the cost model (`hlo_tools.cost_model`, docs/cost_model.md; TPU v3 chips by default) prices:
+the cost model (`hlo_tools.inspection.cost_model`, docs/cost_model.md; TPU v3 chips by default) prices:
 
   plain             one all-reduce per gradient (XLA with its combiner off), each with the
                     fastest algorithm the model knows for it on that topology (a topology-
@@ -42,8 +42,9 @@ import os
 import sys
 import time
 
-from hlo_tools import cli, cost_model, plot
-from hlo_tools.topology import Topology
+from hlo_tools import cli
+from hlo_tools.inspection import cost_model, plot
+from hlo_tools.inspection.topology import Topology
 
 TORI = ((2, 4), (8, 8), (16, 16), (32, 32), (64, 64))
 VARIANTS = ("plain", "plain, 1-D ring", "collective-fusion", "all-reduce-2d", "all-reduce-rings", "weight-update-sharding")

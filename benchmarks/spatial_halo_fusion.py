@@ -26,7 +26,7 @@ import numpy as np
 
 import hlo_tools
 import xla_passes
-from hlo_tools import runner
+from hlo_tools.xla import runner
 from xla_passes.training import use_cpu_devices
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import hlo_tools
 import xla_passes
-from hlo_tools import runner
+from hlo_tools.xla import runner
 from xla_passes.training import use_cpu_devices
 
 DEVICES = 4

@@ -7,7 +7,7 @@ batch 4 of 16x16x2 images). It is timed, median of ``--steps`` calls, as:
 a. TF's own ``tf.function(jit_compile=True)`` step;
 b. the front end with no passes (TF's module on 1 device), executable cached;
 c. the front end with ``spatial-partitioning`` on 4 devices (when registered);
-d. the same module as b, run with ``hlo_tools.runner.run_module`` each step:
+d. the same module as b, run with ``hlo_tools.xla.runner.run_module`` each step:
    XLA compiles it again every time (what the front end would cost without its cache);
 e. as d, with ``isolate=True``: a child process per step (what a non-persistent
    child would cost).
@@ -31,7 +31,7 @@ import time  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import xla_passes  # noqa: E402
-from hlo_tools import runner  # noqa: E402
+from hlo_tools.xla import runner  # noqa: E402
 from xla_passes.tensorflow import function  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))

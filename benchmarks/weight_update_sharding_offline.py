@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import hlo_tools
 import xla_passes
-from hlo_tools.stats import xla_cost
+from hlo_tools.inspection.stats import xla_cost
 from xla_passes.training import use_cpu_devices
 
 DEVICES = 8

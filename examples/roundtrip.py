@@ -10,7 +10,7 @@ Prints a short summary; exits with status 1 if any check fails.
 
 import os
 
-# XLA reads XLA_FLAGS once, when its CPU backend starts: set it before importing jax.
+  # XLA reads XLA_FLAGS once, when its CPU backend starts: set it before importing jax.
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]).strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -24,7 +24,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import hlo_tools  # noqa: E402
-from hlo_tools import xla_bridge  # noqa: E402
+from hlo_tools.xla import xla_bridge  # noqa: E402
 
 COLLECTIVES = {
     "all-reduce", "all-reduce-start", "all-gather", "all-gather-start", "reduce-scatter",

@@ -2,7 +2,7 @@
 
 import os
 
-# XLA reads XLA_FLAGS once, when its first backend starts: set it before anything imports jax.
+  # XLA reads XLA_FLAGS once, when its first backend starts: set it before anything imports jax.
 _DEVICE_FLAG = "--xla_force_host_platform_device_count=8"
 if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_FLAG}".strip()

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from hlo_tools import xla_bridge
+from hlo_tools.xla import xla_bridge
 
 N_DEVICES = 8
 MAX_DUMP_MODULES = 120

@@ -11,7 +11,8 @@ import sys
 import pytest
 
 import hlo_tools
-from hlo_tools import cli, xla_bridge
+from hlo_tools import cli
+from hlo_tools.xla import xla_bridge
 from support import run_hlo_tools as run
 
 # Irregular spacing and a comment-free blank line: the faithful print must keep them.

@@ -8,7 +8,7 @@ all of them) is refused by parse + verify with hlo_tools' own errors.
 import pytest
 
 import hlo_tools
-from hlo_tools import xla_bridge
+from hlo_tools.xla import xla_bridge
 from support import CORPUS_DIR, first_difference, read_exact
 
 if not CORPUS_DIR.is_dir():

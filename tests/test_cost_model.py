@@ -1,4 +1,4 @@
-"""The topology cost model (hlo_tools.cost_model) and `hlo-tools cost`: formulas, algorithms, CLI."""
+"""The topology cost model (hlo_tools.inspection.cost_model) and `hlo-tools cost`: formulas, algorithms, CLI."""
 
 import json
 import pathlib
@@ -9,9 +9,10 @@ import time
 import pytest
 
 import hlo_tools
-from hlo_tools import cli, cost_model
-from hlo_tools.cost_model import Chip, collective_time, plan_collective
-from hlo_tools.topology import Topology
+from hlo_tools import cli
+from hlo_tools.inspection import cost_model
+from hlo_tools.inspection.cost_model import Chip, collective_time, plan_collective
+from hlo_tools.inspection.topology import Topology
 
 # Powers of two, so that every formula below holds to the last bit.
 BANDWIDTH, LATENCY = 2.0 ** 30, 2.0 ** -20
@@ -229,7 +230,8 @@ def test_device_count_must_match_the_topology():
 
 
 def test_pricing_collectives_never_starts_jax():
-    code = ("import sys; from hlo_tools import cost_model; from hlo_tools.topology import Topology; "
+    code = ("import sys; from hlo_tools.inspection import cost_model; "
+            "from hlo_tools.inspection.topology import Topology; "
             "pod = Topology.parse('torus:32x32'); "
             "cost_model.collective_time('all-reduce', 1e8, [list(range(1024))], pod, cost_model.CHIPS['tpu-v4']); "
             "print('jax' in sys.modules)")
@@ -499,7 +501,7 @@ def test_pod_scaling_prices_every_pass_and_a_failed_chip_costs_little():
 def test_line_chart_is_one_svg_with_a_line_per_series():
     from xml.etree import ElementTree
 
-    from hlo_tools import plot
+    from hlo_tools.inspection import plot
 
     svg = plot.line_chart_svg({"a <b>": [(8, 0.01), (64, 0.02)], "c": [(8, 0.005), (64, 0.001), (4096, 0.2)]},
                               title="t", x_label="chips", y_label="ms", y_scale=1e3)

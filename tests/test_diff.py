@@ -9,9 +9,9 @@ import sys
 import pytest
 
 import hlo_tools
-from hlo_tools import diff
-from hlo_tools.diff import InstructionChange
-from hlo_tools.literal import Literal
+from hlo_tools.inspection import diff
+from hlo_tools.inspection.diff import InstructionChange
+from hlo_tools.ir.literal import Literal
 from support import run_hlo_tools as run
 
 SMALL = """HloModule small, replica_count=2

@@ -1,4 +1,4 @@
-"""hlo_tools.dump and ``hlo-tools dump``: JAX, TF and script dumps named as XLA names them.
+"""hlo_tools.xla.dump and ``hlo-tools dump``: JAX, TF and script dumps named as XLA names them.
 
 JAX dumps through the API run in this process (8 CPU devices, see conftest);
 the command line, TensorFlow and script runs each run in a fresh process.
@@ -17,7 +17,7 @@ import pytest
 
 import hlo_tools
 import real_programs
-from hlo_tools import dump, runner
+from hlo_tools.xla import dump, runner
 from support import REPO_ROOT, read_exact
 
 ERROR_LINE = re.compile(r"hlo-tools: error: [^\n]+\n")
@@ -181,7 +181,7 @@ def files(tmp_path):
     (tmp_path / "script.py").write_text(SCRIPT)
     (tmp_path / "plain.py").write_text("def f(x):\n    return x\n\nvalue = 3\n")
     (tmp_path / "broken.py").write_text("def f(:\n")
-    # A tensorflow that cannot be imported: the JAX path must not need TensorFlow.
+  # A tensorflow that cannot be imported: the JAX path must not need TensorFlow.
     (tmp_path / "no_tf" / "tensorflow").mkdir(parents=True)
     (tmp_path / "no_tf" / "tensorflow" / "__init__.py").write_text("raise ImportError('no TF here')\n")
     return tmp_path

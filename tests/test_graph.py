@@ -1,4 +1,4 @@
-"""`hlo_tools.graph` and `hlo-tools graph`: SVG drawings of computations.
+"""`hlo_tools.inspection.graph` and `hlo-tools graph`: SVG drawings of computations.
 
 Both layouts are tested: builtin always, dot where Graphviz is installed (.ci/run
 installs it; without it those tests skip, except under CI=true, where they fail).
@@ -15,7 +15,7 @@ import pytest
 
 import hlo_tools
 import real_programs
-from hlo_tools import graph
+from hlo_tools.inspection import graph
 from support import run_hlo_tools as run
 
 SVG = "{http://www.w3.org/2000/svg}"

@@ -2,7 +2,7 @@
 
 A hook module is per-device, laid out and fused (scheduled too at `post_scheduler`): XLA no
 longer compiles it from the start, so hlo-tools compiles it from the stage its dump names
-(`hlo_tools.xla_bridge.compile_optimized_module`), on the device counts its header gives.
+(`hlo_tools.xla.xla_bridge.compile_optimized_module`), on the device counts its header gives.
 The dumps are made here, by an unmodified data-parallel step run with
 `XLA_PASSES=weight-update-sharding` on 8 CPU devices, and used through the CLI as a user would.
 """
@@ -14,7 +14,7 @@ import re
 import pytest
 
 import hlo_tools
-from hlo_tools import runner, xla_bridge
+from hlo_tools.xla import runner, xla_bridge
 from support import run_hlo_tools as run
 from test_jax_plugin import run_worker
 

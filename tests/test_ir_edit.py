@@ -3,7 +3,8 @@ text verbatim while XLA reads the edited module with the intended meaning."""
 import pytest
 
 import hlo_tools
-from hlo_tools import Shape, xla_bridge
+from hlo_tools import Shape
+from hlo_tools.xla import xla_bridge
 
 SHORT = """HloModule step, entry_computation_layout={(f32[8]{0}, f32[8]{0})->f32[8]{0}}
 

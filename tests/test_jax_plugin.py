@@ -309,7 +309,7 @@ ENTRY main {
 
 
 def test_opcode_count_reads_the_serialized_module():
-    from hlo_tools import proto_patch, xla_bridge
+    from hlo_tools.xla import proto_patch, xla_bridge
 
     proto = xla_bridge.text_to_proto(TWO_ALL_REDUCES)
     module = hlo_tools.parse_module(xla_bridge.proto_to_text(proto))
@@ -319,7 +319,7 @@ def test_opcode_count_reads_the_serialized_module():
 
 
 def test_the_hook_skips_unparsed_a_module_no_pass_acts_on(monkeypatch, caplog, tmp_path):
-    from hlo_tools import xla_bridge
+    from hlo_tools.xla import xla_bridge
 
     caplog.set_level(logging.INFO, logger="xla_passes")
     one = xla_bridge.text_to_proto(TWO_ALL_REDUCES.replace(
@@ -349,7 +349,7 @@ def test_the_hook_skips_unparsed_a_module_no_pass_acts_on(monkeypatch, caplog, t
 
 
 def test_a_dump_that_cannot_be_written_warns_once_and_the_passes_go_on(monkeypatch, caplog, tmp_path):
-    from hlo_tools import xla_bridge
+    from hlo_tools.xla import xla_bridge
 
     monkeypatch.setattr(xla_passes_jax, "_dump_failure_warned", False)
     caplog.set_level(logging.WARNING, logger="xla_passes")
@@ -366,7 +366,7 @@ def test_a_dump_that_cannot_be_written_warns_once_and_the_passes_go_on(monkeypat
 
 
 def test_dumps_never_replace_files_already_in_the_directory(tmp_path):
-    from hlo_tools import xla_bridge
+    from hlo_tools.xla import xla_bridge
 
     two = xla_bridge.text_to_proto(TWO_ALL_REDUCES)
     settings = configuration.Settings("collective-fusion", dump_to=str(tmp_path), strict=True)

@@ -92,7 +92,7 @@ def _convolutions(path: str) -> dict[str, list]:
 
 def _collectives(path: str) -> dict[str, int]:
     import hlo_tools  # noqa: PLC0415
-    from hlo_tools.stats import module_stats  # noqa: PLC0415
+    from hlo_tools.inspection.stats import module_stats  # noqa: PLC0415
 
     with open(path, encoding="utf-8") as f:
         stats = module_stats(hlo_tools.parse_module(f.read()))

@@ -5,9 +5,10 @@ O(degree) removal API and the control-successor index the combiners rely on."""
 import pytest
 
 import hlo_tools
-from hlo_tools import HloParseError, HloVerifyError, xla_bridge
-from hlo_tools.parser import parse_shape
-from hlo_tools.verifier import verify_edits
+from hlo_tools import HloParseError, HloVerifyError
+from hlo_tools.xla import xla_bridge
+from hlo_tools.ir.parser import parse_shape
+from hlo_tools.ir.verifier import verify_edits
 from xla_passes import Pipeline
 
 # Two fusions and three all-reduces, in the style of XLA's printer (what the hook parses).

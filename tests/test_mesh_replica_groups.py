@@ -11,8 +11,8 @@ import pytest
 import hlo_tools
 import real_programs
 import xla_passes.jax
-from hlo_tools import runner
-from hlo_tools.attributes import ReplicaGroups
+from hlo_tools.xla import runner
+from hlo_tools.ir.attributes import ReplicaGroups
 
 # XLA's own all-reduce combiner would merge the mesh-form all-reduces into one it prints as a list.
 WITHOUT_XLA_COMBINER = {"xla_disable_hlo_passes": "all-reduce-combiner,cpu-all-reduce-combiner"}

@@ -170,7 +170,7 @@ def moe_modules(mesh, tmp_path_factory):
     per-device module, as files; and the step with its host inputs."""
     import jax
 
-    from hlo_tools import xla_bridge
+    from hlo_tools.xla import xla_bridge
     from xla_passes import models
 
     step, args = models.moe_step(mesh, donate=False)
@@ -192,7 +192,7 @@ def hlo_tools_cli(*argv, check=True):
 @pytest.mark.parametrize("name", ["lowered", "optimized"])
 def test_print_is_byte_identical_and_verify_accepts(moe_modules, name):
     import hlo_tools
-    from hlo_tools import xla_bridge
+    from hlo_tools.xla import xla_bridge
 
     text = (moe_modules[0] / f"{name}.hlo").read_text()
     module = hlo_tools.parse_module(text)
@@ -421,7 +421,7 @@ def jit_baselines(mesh):
     alone: a control that goes the same way through the passes' HLO text back into XLA."""
     import hlo_tools
     import xla_passes.jax
-    from hlo_tools import xla_bridge
+    from hlo_tools.xla import xla_bridge
     from xla_passes import models
 
     plain_step, plain_args = models.moe_step(mesh)

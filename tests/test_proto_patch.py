@@ -1,10 +1,10 @@
-"""`hlo_tools.proto_patch`: the JAX plugin's hook hands XLA its own module proto with only the
+"""`hlo_tools.xla.proto_patch`: the JAX plugin's hook hands XLA its own module proto with only the
 entry's edits applied. The patched proto must mean what printing the whole module means (XLA's
 canonical print of both, computation by computation) and compute what the original computed
 (differential execution on 2 CPU devices); edits outside the entry fall back to printing."""
 import hlo_tools
-from hlo_tools import runner, xla_bridge
-from hlo_tools.proto_patch import patched_module_proto
+from hlo_tools.xla import runner, xla_bridge
+from hlo_tools.xla.proto_patch import patched_module_proto
 import xla_passes.jax
 from xla_passes import Pipeline
 from xla_passes.configuration import Settings

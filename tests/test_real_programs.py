@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 import real_programs
-from hlo_tools import xla_bridge
+from hlo_tools.xla import xla_bridge
 
 SOURCES = ["jax_modules", "pass_hook_modules", "xla_dump_modules", "tf_modules"]
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 
 import hlo_tools
-from hlo_tools import xla_bridge
+from hlo_tools.xla import xla_bridge
 from support import first_difference
 
 SOURCES = ["jax_modules", "pass_hook_modules", "xla_dump_modules", "tf_modules"]

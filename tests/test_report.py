@@ -1,4 +1,4 @@
-"""`hlo_tools.report` and `hlo-tools report`: the HTML page of a dump directory.
+"""`hlo_tools.inspection.report` and `hlo-tools report`: the HTML page of a dump directory.
 
 The dumps are made at test time: by the xla_passes pipeline (weight-update-sharding
 on a momentum step, so the page carries its per-weight report lines) and by XLA's
@@ -23,8 +23,8 @@ import pytest
 import hlo_tools
 import real_programs
 import xla_passes
-from hlo_tools import graph, report
-from hlo_tools.report import classify
+from hlo_tools.inspection import graph, report
+from hlo_tools.inspection.report import classify
 from support import run_hlo_tools as run
 
 MOMENTUM = """HloModule momentum, replica_count=8

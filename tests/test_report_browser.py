@@ -38,7 +38,7 @@ CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
                   "--window-size=1400,1000")
 NO_XLA_COMBINER_FLAGS = ("--xla_force_host_platform_device_count=8 "
                          "--xla_disable_hlo_passes=all-reduce-combiner,cpu-all-reduce-combiner")
-# Colours the graphs use (hlo_tools.graph): a collective's fill, an added node's outline.
+# Colours the graphs use (hlo_tools.inspection.graph): a collective's fill, an added node's outline.
 COLLECTIVE_FILL = (0xFF, 0xD8, 0xA8)
 ADDED_STROKE = (0x2B, 0x8A, 0x3E)
 

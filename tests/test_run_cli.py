@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from hlo_tools import xla_bridge
+from hlo_tools.xla import xla_bridge
 from support import REPO_ROOT
 from test_runner import CRASHING, PER_DEVICE_4, PER_DEVICE_8, SINGLE_DEVICE, per_device_8_expected
 

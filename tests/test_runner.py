@@ -1,4 +1,4 @@
-"""hlo_tools.runner: real compilation and execution with XLA on 8 CPU devices (no mocks)."""
+"""hlo_tools.xla.runner: real compilation and execution with XLA on 8 CPU devices (no mocks)."""
 
 import pathlib
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import real_programs
-from hlo_tools import runner, xla_bridge
+from hlo_tools.xla import runner, xla_bridge
 
 ADD = """
 add {

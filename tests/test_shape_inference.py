@@ -1,7 +1,7 @@
-"""hlo_tools.shape_inference against XLA's own shape inference.
+"""hlo_tools.ir.shape_inference against XLA's own shape inference.
 
 For every opcode XLA's HLO parser can infer, the instruction is written without a shape, XLA's
-parser infers it (hlo_tools.xla_bridge), and infer_shape must produce the same shape, layout
+parser infers it (hlo_tools.xla.xla_bridge), and infer_shape must produce the same shape, layout
 included. Opcodes XLA's parser insists on seeing a shape for are checked against the shapes written
 in XLA's own test modules (the corpus), which XLA accepts.
 """
@@ -11,9 +11,9 @@ import re
 import pytest
 
 import hlo_tools
-from hlo_tools import xla_bridge
-from hlo_tools.shape import Shape
-from hlo_tools.shape_inference import PARSER_INFERABLE, ShapeInferenceError, compatible, infer_shape
+from hlo_tools.xla import xla_bridge
+from hlo_tools.ir.shape import Shape
+from hlo_tools.ir.shape_inference import PARSER_INFERABLE, ShapeInferenceError, compatible, infer_shape
 from support import CORPUS_DIR, needs_corpus
 
 ADD = """
@@ -407,7 +407,7 @@ def test_element_type_completes_conversions():
 
 
 def test_shapes_xla_parser_requires_but_passes_can_infer():
-    A = hlo_tools.attributes
+    A = hlo_tools.ir.attributes
     assert str(infer_shape("slice", [_s("f32[6,8]{0,1}")], {"slice": A.SliceSpec.parse("{[1:5:2], [0:8]}")})) \
         == "f32[2,8]{1,0}"
     assert str(infer_shape("dynamic-slice", [_s("f32[6,8]"), _s("s32[]"), _s("s32[]")],

@@ -9,7 +9,7 @@ import pytest
 
 import hlo_tools
 import real_programs
-from hlo_tools import stats
+from hlo_tools.inspection import stats
 from support import run_hlo_tools as run
 
 DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "stats.md"

@@ -15,7 +15,8 @@ tf = pytest.importorskip("tensorflow", reason="TensorFlow is not installed (pip 
 import hlo_tools  # noqa: E402
 import xla_passes  # noqa: E402
 import xla_passes.jax  # noqa: E402
-from hlo_tools import Sharding, runner  # noqa: E402
+from hlo_tools import Sharding  # noqa: E402
+from hlo_tools.xla import runner  # noqa: E402
 from xla_passes import HloPass, PassError, register_pass  # noqa: E402
 from xla_passes.tensorflow import UnsupportedFunctionError, function  # noqa: E402
 

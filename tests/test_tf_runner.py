@@ -1,4 +1,4 @@
-"""A TensorFlow training step, compiled by XLA, run through hlo_tools.runner: same outputs as TF.
+"""A TensorFlow training step, compiled by XLA, run through hlo_tools.xla.runner: same outputs as TF.
 
 The step (a small dense model, ``tf.GradientTape``, an SGD update of weights
 passed in as arguments, returning the new weights and the loss) is a
@@ -75,7 +75,7 @@ def tf_train_step(tmp_path_factory):
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_tf_train_step_runs_like_tf(tf_train_step, stage):
-    from hlo_tools import runner
+    from hlo_tools.xla import runner
 
     texts, inputs, expected = tf_train_step
     result = runner.run_module(texts[stage], inputs)

@@ -12,7 +12,7 @@ import pytest
 
 import hlo_tools
 from hlo_tools import HloParseError, HloVerifyError
-from hlo_tools.verifier import verify_edits, verify_module
+from hlo_tools.ir.verifier import verify_edits, verify_module
 from support import CORPUS_DIR, needs_corpus, read_exact
 
 

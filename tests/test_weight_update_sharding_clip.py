@@ -244,7 +244,7 @@ def _sharded(name: str):
 
 def _compare(after_text: str, name: str):
     import hlo_tools
-    from hlo_tools import runner
+    from hlo_tools.xla import runner
 
     before = hlo_tools.parse_module(CASES[name])
     return runner.compare_modules(after_text, CASES[name], _replica_inputs(before),

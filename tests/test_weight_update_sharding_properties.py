@@ -8,7 +8,7 @@ optimizer state, loss):
   (`xla_passes.jax.enable(..., strict=True)`, so a pass error fails the example) against the
   same step compiled plainly;
 * offline: the step lowered to HLO before XLA's optimizations, rewritten with `run_passes`,
-  both run by `hlo_tools.runner.compare_modules` (jit + NamedSharding steps are left out:
+  both run by `hlo_tools.xla.runner.compare_modules` (jit + NamedSharding steps are left out:
   before XLA's SPMD partitioner runs they have no all-reduce for the pass to rewrite);
 * laid out: per-device modules as the hook receives them (one to three weights, gradients
   all-reduced one by one or by one combined all-reduce, updates inline or as kLoop fusions),
@@ -44,7 +44,7 @@ import re
 import pytest
 from hypothesis import event, example, given, strategies as st
 
-from hlo_tools import runner
+from hlo_tools.xla import runner
 from wus_properties import (GROUP_SIZE, STYLES, THRESHOLD_BYTES, TOLERANCE, LaidOutCase, LaidOutWeight, StepCase,
                             Weight, Worker, examples, laid_out_cases, laid_out_reference, run_at_the_flag, run_laid_out,
                             run_offline, situation, step_cases)

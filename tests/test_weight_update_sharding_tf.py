@@ -25,9 +25,10 @@ import pytest
 
 import hlo_tools
 import xla_passes
-from hlo_tools import HloComputation, Shape, runner
-from hlo_tools.attributes import Raw, ReplicaGroups
-from hlo_tools.literal import Literal, numpy_dtype
+from hlo_tools import HloComputation, Shape
+from hlo_tools.xla import runner
+from hlo_tools.ir.attributes import Raw, ReplicaGroups
+from hlo_tools.ir.literal import Literal, numpy_dtype
 
 REPLICAS = 8
 BATCH_ARGUMENTS = 2  # the step's own arguments (images, labels) come first; variables follow

@@ -1,8 +1,8 @@
-"""hlo_tools.xla_bridge: XLA's parser, printers and proto conversion behind one module."""
+"""hlo_tools.xla.xla_bridge: XLA's parser, printers and proto conversion behind one module."""
 
 import pytest
 
-from hlo_tools import xla_bridge
+from hlo_tools.xla import xla_bridge
 
 ADD = """HloModule add_module
 

@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 
-from hlo_tools.literal import Literal
+from hlo_tools.ir.literal import Literal
 from xla_passes.core import HloPass, register_pass
 
 

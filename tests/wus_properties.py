@@ -39,7 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import hlo_tools
 import xla_passes
 import xla_passes.jax
-from hlo_tools import runner, xla_bridge
+from hlo_tools.xla import runner, xla_bridge
 from xla_passes.pipeline import Pipeline
 
 GROUP_SIZE = 8              # the data-parallel devices of every case

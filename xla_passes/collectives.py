@@ -32,11 +32,11 @@ from collections import Counter
 from typing import Callable, Hashable, Iterable, Sequence
 
 from hlo_tools import HloComputation, HloInstruction, HloModule, SliceSpec
-from hlo_tools.attributes import AttrError, FrontendAttributes, Metadata, Raw, Sharding, split_top_level
-from hlo_tools.opcodes import async_wrapped_opcode
-from hlo_tools.printer import format_value
-from hlo_tools.shape import Layout, Shape
-from hlo_tools.shape_inference import attr_bool, attr_ints
+from hlo_tools.ir.attributes import AttrError, FrontendAttributes, Metadata, Raw, Sharding, split_top_level
+from hlo_tools.ir.opcodes import async_wrapped_opcode
+from hlo_tools.ir.printer import format_value
+from hlo_tools.ir.shape import Layout, Shape
+from hlo_tools.ir.shape_inference import attr_bool, attr_ints
 
 # Binary opcodes whose operands may be swapped: `add(b, a)` reduces exactly like `add(a, b)`.
 COMMUTATIVE_OPCODES = frozenset({"add", "multiply", "maximum", "minimum", "and", "or", "xor"})

@@ -37,7 +37,7 @@ and the median step time.
 
 When `spatial-partitioning` is registered, the gradients of a small conv model,
 lowered by JAX for one device, are split by rows over 4 devices by that pass and
-run against the one-device program (`hlo_tools.runner`). Last, `hlo-tools
+run against the one-device program (`hlo_tools.xla.runner`). Last, `hlo-tools
 report` turns the dumps into one HTML page. Progress goes to stderr.
 """
 from __future__ import annotations
@@ -57,8 +57,10 @@ import numpy as np
 
 import hlo_tools
 import xla_passes
-from hlo_tools import cli, report, runner
-from hlo_tools.stats import module_stats, xla_cost
+from hlo_tools import cli
+from hlo_tools.inspection import report
+from hlo_tools.xla import runner
+from hlo_tools.inspection.stats import module_stats, xla_cost
 from xla_passes import training
 
 PROG = "python -m xla_passes.demo"

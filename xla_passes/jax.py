@@ -14,7 +14,7 @@ it. The IR parses the entry computation at once and every other computation
 (fusion bodies, mostly) only when a pass or the verifier reads it
 (`hlo_tools.parse_module(..., lazy_bodies=True)`). When the passes changed
 only instructions of the entry computation, XLA gets its own proto back with
-just those instructions replaced (`hlo_tools.proto_patch`), so that it parses
+just those instructions replaced (`hlo_tools.xla.proto_patch`), so that it parses
 the edits rather than the whole module; otherwise it gets the whole module
 printed, unread bodies as the text XLA printed. A module in which no pass of
 the pipeline finds what it acts on (see `HloPass.opcodes`: e.g. fewer than two
@@ -45,8 +45,8 @@ import time
 from collections.abc import Sequence
 
 import hlo_tools
-from hlo_tools import proto_patch, xla_bridge
-from hlo_tools.parser import garbage_collection_paused
+from hlo_tools.xla import proto_patch, xla_bridge
+from hlo_tools.ir.parser import garbage_collection_paused
 
 from . import validation
 from .collectives import apply_platform_thresholds

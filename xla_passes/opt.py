@@ -19,9 +19,10 @@ import sys
 import numpy as np
 
 import hlo_tools
-from hlo_tools import cli, cost_model
-from hlo_tools.cost_command import add_machine_options, machine
-from hlo_tools.topology import Topology
+from hlo_tools import cli
+from hlo_tools.inspection import cost_model
+from hlo_tools.cli.cost_command import add_machine_options, machine
+from hlo_tools.inspection.topology import Topology
 
 from . import validation
 from .core import PassError, registered_passes
@@ -193,7 +194,7 @@ def check_inputs(text: str, original: str, passes=()) -> list[np.ndarray]:
     Raises:
       runner.RunError: XLA cannot load `text`.
     """
-    from hlo_tools import runner  # noqa: PLC0415 - compiles with XLA
+    from hlo_tools.xla import runner  # noqa: PLC0415 - compiles with XLA
 
     loaded = runner.load_module(text, "check")
     inputs = runner.random_inputs(loaded.global_signature())
@@ -206,7 +207,7 @@ def check_inputs(text: str, original: str, passes=()) -> list[np.ndarray]:
 def _check(original: str, module: hlo_tools.HloModule, pipeline: Pipeline) -> None:
     """Translation validation of an offline rewrite: both modules on the same global inputs
     (replicated where the passes may assume it), compared within `validation`'s bounds."""
-    from hlo_tools import runner  # noqa: PLC0415 - compiles with XLA
+    from hlo_tools.xla import runner  # noqa: PLC0415 - compiles with XLA
 
     rewritten = module.to_text()
     try:

@@ -8,7 +8,7 @@ braces; `fixed-point(...)` repeats a group until no pass in it changes the modul
 
 Running a pipeline runs each pass on the module in place. After a pass that
 changed the module, the verifier checks what was edited since the module was
-parsed (`hlo_tools.verifier.verify_edits`; `verify="full"` checks the whole
+parsed (`hlo_tools.ir.verifier.verify_edits`; `verify="full"` checks the whole
 module, `verify=False` nothing). A pass that raises, or that leaves a module
 the verifier refuses, leaves the module exactly as it was before that pass and
 raises `PassError` naming the pass (and the instruction, when known).
@@ -22,8 +22,8 @@ import time
 
 import hlo_tools
 from hlo_tools import HloModule
-from hlo_tools.dump import module_file_name, sanitize_file_name, write_new, write_numbered
-from hlo_tools.verifier import verify_edits, verify_module
+from hlo_tools.xla.dump import module_file_name, sanitize_file_name, write_new, write_numbered
+from hlo_tools.ir.verifier import verify_edits, verify_module
 
 from .collectives import DIMENSIONED_COLLECTIVES, layout_problem
 from .core import HloPass, PassError, pass_class
@@ -177,7 +177,7 @@ class Pipeline:
             step = f"{self._dump_count:04d}."
         text = module.to_text()
         if module.layouts_final:
-            from hlo_tools.runner import stage_note, with_header_counts  # noqa: PLC0415 - numpy; dumps only
+            from hlo_tools.xla.runner import stage_note, with_header_counts  # noqa: PLC0415 - numpy; dumps only
 
             # What hlo-tools needs to compile the module again: the stage of XLA's pipeline it was
             # taken at (only the post-scheduler hook sees scheduled modules) and the device counts,

@@ -25,7 +25,7 @@ import re
 import numpy as np
 
 from hlo_tools import HloComputation, HloInstruction
-from hlo_tools.attributes import Sharding
+from hlo_tools.ir.attributes import Sharding
 
 from .replica_groups import DeviceCounts, GroupMode, group_mode, participant_groups
 

@@ -8,7 +8,7 @@ does what TF's own XLA launch does, with the pipeline in the middle:
 2. run the pipeline: `passes`, else the one `XLA_PASSES` / `--xla_passes` ask
    for (`configured_pipeline`), else none (the HLO runs as TF made it);
 3. compile the result once for that signature with XLA, through
-   `hlo_tools.runner`, in this process, on as many CPU devices as the rewritten
+   `hlo_tools.xla.runner`, in this process, on as many CPU devices as the rewritten
    module asks for (`num_partitions=`, `sharding=`);
 4. on every call, run it on the arguments and the variables' current values,
    assign the updated values to the variables (as TF's launch does for the
@@ -56,7 +56,7 @@ def configured_pipeline(module_number: int = 0) -> Pipeline | None:
 
 
 def function(fn=None, *, passes: str | None = None, dump_to: str | None = None):
-    """`fn` as a TF step whose XLA module runs through `passes` and `hlo_tools.runner`.
+    """`fn` as a TF step whose XLA module runs through `passes` and `hlo_tools.xla.runner`.
 
     Use it like `tf.function`: `step = function(train_step, passes="cse,dce")`
     or `@function(passes=...)`. Each new input signature (shapes, dtypes,
@@ -184,7 +184,7 @@ class _Step:
 
     def __init__(self, name: str, tf_function, concrete, bound, pipeline: Pipeline | None, strict: bool):
         import hlo_tools  # noqa: PLC0415
-        from hlo_tools import runner  # noqa: PLC0415
+        from hlo_tools.xla import runner  # noqa: PLC0415
 
         self.concrete = concrete
         self.name = name  # the Python function's: what messages call the step
@@ -278,7 +278,7 @@ class _Step:
 
     def _variable_updates(self, module) -> list[tuple[int, int]]:
         """(output leaf, input) pairs: the variables the step assigns, from TF's input_output_alias."""
-        from hlo_tools.verifier import parse_input_output_alias  # noqa: PLC0415
+        from hlo_tools.ir.verifier import parse_input_output_alias  # noqa: PLC0415
 
         alias = module.attrs.get("input_output_alias")
         updates = [(index[0], parameter) for index, parameter, _, _ in
@@ -295,7 +295,7 @@ class _Step:
 
     def _compile(self, tf_text: str) -> None:
         """Compile the rewritten module for its devices; its global interface must be TF's."""
-        from hlo_tools import runner, xla_bridge  # noqa: PLC0415
+        from hlo_tools.xla import runner, xla_bridge  # noqa: PLC0415
 
         original, loaded = runner.load_module(tf_text, self.name), runner.load_module(self.text, self.name)
         if loaded.mode == "replica":

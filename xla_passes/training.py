@@ -7,7 +7,7 @@ and for the compile-and-measure steps they share, so that their numbers come
 from the same program measured the same way.
 
 Importing this module imports JAX but does not start its backends: callers set
-the device count first (`hlo_tools.xla_bridge.configure_cpu_devices`, or
+the device count first (`hlo_tools.xla.xla_bridge.configure_cpu_devices`, or
 `XLA_FLAGS=--xla_force_host_platform_device_count=8`).
 """
 from __future__ import annotations
@@ -24,8 +24,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import hlo_tools
 import xla_passes.jax
-from hlo_tools import xla_bridge
-from hlo_tools.stats import module_stats
+from hlo_tools.xla import xla_bridge
+from hlo_tools.inspection.stats import module_stats
 
 N_DEVICES = 8
 MLP_WIDTHS = (256, 256, 256, 256, 256, 256, 128, 10)
@@ -188,7 +188,7 @@ def compiled_costs(compiled) -> dict[str, float]:
 
 
 def collective_counts(compiled) -> dict[str, int]:
-    """How many of each collective the optimized program holds (`hlo_tools.stats`' counting)."""
+    """How many of each collective the optimized program holds (`hlo_tools.inspection.stats`' counting)."""
     stats = module_stats(hlo_tools.parse_module(compiled.as_text()))
     return {summary.kind: summary.count for summary in stats.collective_summary()}
 

@@ -3,7 +3,7 @@
 `XLA_PASSES_CHECK=1` (or `xla_passes.jax.enable(..., check=True)`) makes the JAX hook check
 every module its passes changed before handing it to XLA: the module XLA gave the hook and
 the rewritten one are compiled the way XLA compiles them after the hook
-(`hlo_tools.xla_bridge.compile_optimized_module`: layouts, fusions and all) and run on the
+(`hlo_tools.xla.xla_bridge.compile_optimized_module`: layouts, fusions and all) and run on the
 same random inputs on as many CPU devices as the module runs on. Inputs respect what the
 passes may assume: a parameter declared replicated (`sharding={replicated}`,
 `parameter_replication`), or every parameter when a pass was told to assume it
@@ -86,7 +86,7 @@ def check_rewrite(original: bytes, rewritten: bytes, *, counts: DeviceCounts, re
                            checked=False)
         result_path = os.path.join(directory, _RESULT)
         if not os.path.exists(result_path):
-            from hlo_tools.runner import crash_message  # noqa: PLC0415 - only on failure
+            from hlo_tools.xla.runner import crash_message  # noqa: PLC0415 - only on failure
 
             return Verdict(False, crash_message(child.returncode, child.stderr.decode(errors="replace"),
                                                 "checking"), time.perf_counter() - start, checked=False)
@@ -98,7 +98,7 @@ def check_rewrite(original: bytes, rewritten: bytes, *, counts: DeviceCounts, re
 def _child_env(devices: int) -> dict:
     """The user's environment without the passes (the child must compile modules as given) and
     with `devices` CPU devices."""
-    from hlo_tools.runner import child_env  # noqa: PLC0415
+    from hlo_tools.xla.runner import child_env  # noqa: PLC0415
 
     env = {k: v for k, v in child_env().items() if not k.startswith("XLA_PASSES")}
     flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
@@ -111,9 +111,9 @@ def _child_env(devices: int) -> dict:
 
 def _per_device_inputs(signature, devices: int, replicated: set[int], seed: int) -> list[list[np.ndarray]]:
     """Random inputs for each parameter on each device: one value for a replicated parameter,
-    one per device otherwise (integers, as `hlo_tools.runner.random_inputs` makes them, so that
+    one per device otherwise (integers, as `hlo_tools.xla.runner.random_inputs` makes them, so that
     sums are exact in any order)."""
-    from hlo_tools.runner import random_inputs  # noqa: PLC0415
+    from hlo_tools.xla.runner import random_inputs  # noqa: PLC0415
 
     inputs = []
     for number, leaf in enumerate(signature):
@@ -128,7 +128,7 @@ def _per_device_inputs(signature, devices: int, replicated: set[int], seed: int)
 
 
 def _compare(original, rewritten, devices: int) -> tuple[bool, str]:
-    from hlo_tools.runner import compare_outputs  # noqa: PLC0415
+    from hlo_tools.xla.runner import compare_outputs  # noqa: PLC0415
 
     count = len(original)
     for device in range(devices):
@@ -142,7 +142,7 @@ def _compare(original, rewritten, devices: int) -> tuple[bool, str]:
 
 
 def _worker(directory: str) -> None:
-    from hlo_tools import xla_bridge  # noqa: PLC0415
+    from hlo_tools.xla import xla_bridge  # noqa: PLC0415
 
     with open(os.path.join(directory, _JOB)) as f:
         job = json.load(f)

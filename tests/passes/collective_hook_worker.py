@@ -6,7 +6,7 @@ programs with XLA's own all-reduce combiner switched off (`cpu-all-reduce-combin
 XLA's CPU pipeline runs before the hook), runs a pipeline on the module inside the hook,
 lets XLA finish compiling what the pipeline returned, and runs it. XLA executes the
 rewritten module directly, so tuple-shaped reduce-scatters run too (XLA's StableHLO bridge,
-which `hlo_tools.runner` compiles through, rejects them).
+which `hlo_tools.xla.runner` compiles through, rejects them).
 
 XLA reads XLA_FLAGS once per process, hence a process of its own::
 
@@ -37,7 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import hlo_tools  # noqa: E402
 import xla_passes  # noqa: E402
-from hlo_tools import xla_bridge  # noqa: E402
+from hlo_tools.xla import xla_bridge  # noqa: E402
 
 HOOK_NAME = "tests.collective_fusion"
 STAGE = jex_xla.PipelineStage.PRE_SCHEDULER

@@ -10,7 +10,7 @@ import numpy as np
 import hlo_tools
 import real_programs
 import xla_passes
-from hlo_tools import runner
+from hlo_tools.xla import runner
 
 
 def run_and_compare(text: str, passes: str, *, num_replicas: int | None = None,

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 import hlo_tools
 import xla_passes
-from hlo_tools import runner
-from hlo_tools.topology import Topology
+from hlo_tools.xla import runner
+from hlo_tools.inspection.topology import Topology
 from pass_testing import reducer
 from xla_passes.core import PassError
 from xla_passes.passes.all_reduce_2d_fault_tolerant import ReductionTree, TreeSchedule

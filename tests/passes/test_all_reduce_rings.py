@@ -19,8 +19,8 @@ from hypothesis import given, settings, strategies as st
 import hlo_tools
 import xla_passes
 import xla_passes.jax
-from hlo_tools import runner
-from hlo_tools.topology import Topology
+from hlo_tools.xla import runner
+from hlo_tools.inspection.topology import Topology
 from pass_testing import (PER_DEVICE_PROGRAM_ALL_REDUCES, REDUCERS, REPLICA_PROGRAM_ALL_REDUCES, normal_inputs,
                           per_device_input_shapes, per_device_program, reducer, replica_input_shapes, replica_program,
                           run_and_compare, shard_map_step_outputs)

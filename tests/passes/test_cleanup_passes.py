@@ -4,7 +4,7 @@ import pytest
 
 import hlo_tools
 import xla_passes
-from hlo_tools import xla_bridge
+from hlo_tools.xla import xla_bridge
 from pass_testing import run_and_compare
 
 CLEANUP = "fixed-point(call-inliner,tuple-simplifier,cse,dce)"

@@ -1,6 +1,6 @@
 """The collective combiners: keys, grouping without cycles, and same results through XLA.
 
-Hand-written replica and per-device programs run through `hlo_tools.runner` (bit-exact);
+Hand-written replica and per-device programs run through `hlo_tools.xla.runner` (bit-exact);
 JAX programs run where the passes run in production, inside XLA's pass hook, in a worker
 process (`collective_hook_worker.py`) with XLA's own combiner switched off.
 """
@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import hlo_tools
 import xla_passes
-from hlo_tools import xla_bridge
+from hlo_tools.xla import xla_bridge
 from pass_testing import run_and_compare
 from xla_passes import collectives
 
@@ -306,7 +306,7 @@ def test_replica_program_keeps_results(passes, all_reduces, all_gathers):
 def test_per_device_program_keeps_results():
     """8 partitions, channel ids, iota and explicit groups, a while body, sharded outputs.
 
-    Through `hlo_tools.runner` (HLO -> StableHLO -> XLA) jaxlib 0.10.2 cannot compile a
+    Through `hlo_tools.xla.runner` (HLO -> StableHLO -> XLA) jaxlib 0.10.2 cannot compile a
     tuple-shaped all-reduce with a channel id ("LogicalBuffer ... does not have a layout";
     the module XLA's own combiner makes, from `pass_hook_modules`, fails the same way), so
     the all-reduces combined here are checked by structure; such all-reduces run in

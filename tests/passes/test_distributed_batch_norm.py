@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import hlo_tools
 import xla_passes
 import xla_passes.jax
-from hlo_tools import runner, xla_bridge
+from hlo_tools.xla import runner, xla_bridge
 from xla_passes.passes.distributed_batch_norm import DistributedBatchNorm
 
 RTOL, ATOL = 1e-5, 1e-6

@@ -19,7 +19,7 @@ import pytest
 
 import hlo_tools
 import xla_passes
-from hlo_tools import runner
+from hlo_tools.xla import runner
 from xla_passes.spatial.windows import (RowRange, aligned_output_rows, plan_row_fetch, plan_select_and_scatter,
                                         plan_window, scatter_row_ranges, window_row_range)
 

@@ -24,9 +24,9 @@ import hlo_tools
 import real_programs
 import xla_passes
 import xla_passes.jax
-from hlo_tools import runner
-from hlo_tools.literal import Literal
-from hlo_tools.stats import xla_cost
+from hlo_tools.xla import runner
+from hlo_tools.ir.literal import Literal
+from hlo_tools.inspection.stats import xla_cost
 from pass_testing import run_and_compare
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -47,7 +47,7 @@ is an error naming the all-reduce. Healthy chips that the failed ones cut apart 
 from __future__ import annotations
 
 from hlo_tools import HloModule, ReplicaGroups
-from hlo_tools.topology import Topology
+from hlo_tools.inspection.topology import Topology
 
 from ..core import HloPass, register_pass
 from ..replica_groups import DeviceCounts, GroupMode, group_mode, mesh_rows_and_columns, parse_mesh, participant_groups

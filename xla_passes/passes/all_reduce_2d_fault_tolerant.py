@@ -5,7 +5,7 @@ When chips of a TPU pod's 2-D mesh fail, the rows and columns of the logical 2-D
 have holes, and a collective over a group that is not a full row or column would be routed by
 the interconnect over chips it does not own. Here the gradient sum runs on a spanning tree of
 the healthy chips instead, every edge of which is one physical link, so it detours around any
-set of holes that leaves the healthy chips connected (`hlo_tools.topology`: device i is the
+set of holes that leaves the healthy chips connected (`hlo_tools.inspection.topology`: device i is the
 i-th healthy chip in row-major order).
 
 The tree. The root is a centre of the healthy chips (the smallest distance to the farthest
@@ -88,7 +88,7 @@ import dataclasses
 from collections import deque
 
 from hlo_tools import HloInstruction, Literal, Shape
-from hlo_tools.topology import Topology
+from hlo_tools.inspection.topology import Topology
 
 from ..collectives import ORDER_FREE_REDUCERS, flat_vector, reducer_opcode
 from ..replica_groups import DeviceCounts, GroupMode, group_mode, participant_groups

@@ -4,7 +4,7 @@ A ring all-reduce over N devices sends 2(N-1)/N of the buffer over one outgoing 
 chip and leaves the others idle. PowerAI DDL (arXiv 1708.02188) cuts the buffer in k parts and
 reduces each on its own ring, the rings running at once over links no other ring uses, so a
 chip with k usable links moves k times as much per step. Here each ring is a Hamiltonian cycle
-of the machine's chips (`hlo_tools.topology`: device i is the i-th chip row-major) along which
+of the machine's chips (`hlo_tools.inspection.topology`: device i is the i-th chip row-major) along which
 consecutive devices are physical neighbours, and no directed link belongs to two rings:
 
   * `ring:N`: the ring itself and its reverse (k <= 2; a 2-chip ring has one link, k = 1);
@@ -66,7 +66,7 @@ from __future__ import annotations
 from math import gcd
 
 from hlo_tools import HloInstruction, HloModule
-from hlo_tools.topology import Coordinate, Topology
+from hlo_tools.inspection.topology import Coordinate, Topology
 
 from ..collectives import ORDER_FREE_REDUCERS, reducer_opcode
 from ..core import HloPass, register_pass

@@ -40,9 +40,9 @@ from __future__ import annotations
 import dataclasses
 
 from hlo_tools import HloComputation, HloInstruction, HloModule, Literal, Shape
-from hlo_tools.attributes import Sharding
-from hlo_tools.shape import FLOAT_DTYPES, INTEGRAL_DTYPES, SIGNED_DTYPES, DTYPE_BITS
-from hlo_tools.shape_inference import attr_bool
+from hlo_tools.ir.attributes import Sharding
+from hlo_tools.ir.shape import FLOAT_DTYPES, INTEGRAL_DTYPES, SIGNED_DTYPES, DTYPE_BITS
+from hlo_tools.ir.shape_inference import attr_bool
 
 from ..collectives import combinable_computations, leaf_shardings, reducer_opcode, replace_with_elements, result_shapes
 from ..core import HloPass, register_pass

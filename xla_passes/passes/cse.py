@@ -14,8 +14,8 @@ its CPU runtime abort on duplicate buffers)::
 from __future__ import annotations
 
 from hlo_tools import HloComputation, HloModule
-from hlo_tools.opcodes import has_side_effect
-from hlo_tools.printer import format_value
+from hlo_tools.ir.opcodes import has_side_effect
+from hlo_tools.ir.printer import format_value
 
 from ..core import HloPass, register_pass
 

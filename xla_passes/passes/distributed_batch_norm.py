@@ -68,8 +68,8 @@ import re
 import numpy as np
 
 from hlo_tools import HloComputation, HloInstruction, HloModule, Literal, ReplicaGroups, Shape
-from hlo_tools.opcodes import ELEMENTWISE
-from hlo_tools.shape import FLOAT_DTYPES
+from hlo_tools.ir.opcodes import ELEMENTWISE
+from hlo_tools.ir.shape import FLOAT_DTYPES
 
 from ..collectives import reducer_opcode
 from ..core import HloPass, register_pass

@@ -44,9 +44,9 @@ import math
 import numpy as np
 
 from hlo_tools import HloInstruction, HloModule, Shape
-from hlo_tools.attributes import FrontendAttributes, Sharding
-from hlo_tools.opcodes import ELEMENTWISE
-from hlo_tools.shape import FLOAT_DTYPES
+from hlo_tools.ir.attributes import FrontendAttributes, Sharding
+from hlo_tools.ir.opcodes import ELEMENTWISE
+from hlo_tools.ir.shape import FLOAT_DTYPES
 
 from ..collectives import reducer_opcode
 from ..core import HloPass, register_pass

@@ -57,11 +57,11 @@ import re
 import numpy as np
 
 from hlo_tools import HloComputation, HloInstruction, HloModule, Shape
-from hlo_tools.attributes import FrontendAttributes, PaddingConfig, ReplicaGroups, Sharding, SliceSpec
-from hlo_tools.literal import Literal, numpy_dtype
-from hlo_tools.opcodes import ELEMENTWISE, has_side_effect
-from hlo_tools.shape import FLOAT_DTYPES
-from hlo_tools.shape_inference import infer_shape
+from hlo_tools.ir.attributes import FrontendAttributes, PaddingConfig, ReplicaGroups, Sharding, SliceSpec
+from hlo_tools.ir.literal import Literal, numpy_dtype
+from hlo_tools.ir.opcodes import ELEMENTWISE, has_side_effect
+from hlo_tools.ir.shape import FLOAT_DTYPES
+from hlo_tools.ir.shape_inference import infer_shape
 
 from ..collectives import reducer_opcode, slices_are_contiguous
 from ..core import HloPass, register_pass

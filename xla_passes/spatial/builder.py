@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from hlo_tools import HloComputation, HloInstruction, HloModule, Shape
-from hlo_tools.attributes import PaddingConfig, ReplicaGroups, SliceSpec
-from hlo_tools.literal import Literal, numpy_dtype
+from hlo_tools.ir.attributes import PaddingConfig, ReplicaGroups, SliceSpec
+from hlo_tools.ir.literal import Literal, numpy_dtype
 
 from ..passes.all_reduce_decomposer import ChannelIds
 from .layout import Layout, Mesh, Split

@@ -25,19 +25,19 @@ from contextlib import contextmanager
 
 import hlo_tools
 from hlo_tools.atomic_files import write_through_temp_file
-from hlo_tools.errors import one_line
+from hlo_tools.ir.errors import one_line
 
 PROG = "hlo-tools"
 
 COMMAND_MODULES = (
-    "hlo_tools.inspect_commands",
-    "hlo_tools.run_command",
-    "hlo_tools.dump_command",
-    "hlo_tools.stats_command",
-    "hlo_tools.diff_command",
-    "hlo_tools.graph_command",
-    "hlo_tools.report_command",
-    "hlo_tools.cost_command",
+    "hlo_tools.cli.inspect_commands",
+    "hlo_tools.cli.run_command",
+    "hlo_tools.cli.dump_command",
+    "hlo_tools.cli.stats_command",
+    "hlo_tools.cli.diff_command",
+    "hlo_tools.cli.graph_command",
+    "hlo_tools.cli.report_command",
+    "hlo_tools.cli.cost_command",
 )
 
 

@@ -1,6 +1,6 @@
 """``hlo-tools dump``: capture HLO modules before and after XLA's optimizations.
 
-Two modes, both a thin layer over :mod:`hlo_tools.dump` (see docs/dump.md):
+Two modes, both a thin layer over :mod:`hlo_tools.xla.dump` (see docs/dump.md):
 
 * ``hlo-tools dump -o DIR -- CMD ARGS...`` runs CMD with XLA's dump flags and
   moves what XLA wrote into DIR; the exit status is CMD's.
@@ -19,8 +19,9 @@ import re
 import sys
 
 import hlo_tools
-from hlo_tools import cli, dump
-from hlo_tools.errors import one_line
+from hlo_tools import cli
+from hlo_tools.xla import dump
+from hlo_tools.ir.errors import one_line
 
 # HLO element types whose numpy (ml_dtypes) name does not follow from the HLO name by the rules below.
 _DTYPE_EXCEPTIONS = {"pred": "bool", "bf16": "bfloat16"}

@@ -3,11 +3,11 @@
 The step is priced in two parts, added (no overlap of compute and communication):
 
 * compute: a roofline of the chip, ``max(flops / peak_flops, bytes / hbm_bandwidth)``, with the
-  flops and bytes of XLA's cost analysis (:func:`hlo_tools.stats.xla_cost`, compiled in a child
+  flops and bytes of XLA's cost analysis (:func:`hlo_tools.inspection.stats.xla_cost`, compiled in a child
   process) or, when XLA cannot compile the module or is not asked, of the IR alone: the flops of
   every dot and convolution and the operand and result bytes of every instruction.
 * collectives: each one at the time of the algorithm it would use on the topology
-  (:mod:`hlo_tools.topology`), in the alpha-beta model: every step of a ring pays the link
+  (:mod:`hlo_tools.inspection.topology`), in the alpha-beta model: every step of a ring pays the link
   latency per hop of its longest route, and its bytes over the link bandwidth times the number
   of routes that share its busiest link.
 
@@ -24,10 +24,11 @@ import functools
 import math
 import sys
 
-from . import attributes, stats
-from .ir import HloInstruction, HloModule
-from .shape_inference import attr_bool
-from .topology import Topology
+from hlo_tools.ir import attributes
+from hlo_tools.inspection import stats
+from hlo_tools.ir.hlo import HloInstruction, HloModule
+from hlo_tools.ir.shape_inference import attr_bool
+from hlo_tools.inspection.topology import Topology
 
 __all__ = ["Chip", "CHIPS", "CollectiveEstimate", "CollectivePlan", "StepEstimate", "CostModelError",
            "estimate", "collective_time", "plan_collective", "ring_all_reduce_time",

@@ -11,8 +11,9 @@ import argparse
 import dataclasses
 import json
 
-from hlo_tools import cli, cost_model
-from hlo_tools.topology import Topology, TopologyError
+from hlo_tools import cli
+from hlo_tools.inspection import cost_model
+from hlo_tools.inspection.topology import Topology, TopologyError
 
 # The chip constants a flag can override: (flag, Chip field, what it is).
 _OVERRIDES = (("--peak_flops", "peak_flops", "FLOP/s"),

@@ -14,7 +14,8 @@ import sys
 
 import numpy as np
 
-from hlo_tools import cli, runner
+from hlo_tools import cli
+from hlo_tools.xla import runner
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

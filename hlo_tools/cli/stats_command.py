@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from hlo_tools import cli, stats
+from hlo_tools import cli
+from hlo_tools.inspection import stats
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -6,9 +6,9 @@ computation signatures so that edited modules read like their originals.
 """
 from __future__ import annotations
 
-from . import attributes as A
-from .ir import COMPUTATION_ATTRS, HloComputation, HloInstruction, HloModule
-from .shape import Shape
+from hlo_tools.ir import attributes as A
+from hlo_tools.ir.hlo import COMPUTATION_ATTRS, HloComputation, HloInstruction, HloModule
+from hlo_tools.ir.shape import Shape
 
 
 def print_module(module: HloModule, regenerate: bool = False) -> str:

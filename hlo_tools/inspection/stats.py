@@ -37,9 +37,9 @@ import subprocess
 import sys
 import tempfile
 
-from . import attributes
-from .ir import HloInstruction, HloModule
-from .opcodes import COLLECTIVES
+from hlo_tools.ir import attributes
+from hlo_tools.ir.hlo import HloInstruction, HloModule
+from hlo_tools.ir.opcodes import COLLECTIVES
 
 __all__ = ["ModuleStats", "ComputationStats", "CollectiveOp", "CollectiveSummary", "XlaCost",
            "XlaCostError", "module_stats", "xla_cost", "collective_kind"]
@@ -163,7 +163,7 @@ class XlaCost:
     platform: str
     num_replicas: int
     num_partitions: int
-    partitioner: str              # as hlo_tools.runner picks it: none, shardy, gspmd, prepartitioned
+    partitioner: str              # as hlo_tools.xla.runner picks it: none, shardy, gspmd, prepartitioned
     cost_analysis: dict[str, float]  # XLA's keys as it spells them ("bytes accessed", "flops", ...)
     memory: dict[str, int]        # argument/output/alias/temp/generated_code/peak bytes
     stage: str | None = None      # the stage of XLA's pipeline it was compiled from (None: the start)
@@ -309,7 +309,7 @@ def _compile_and_measure(text: str, platform: str) -> dict:
     its stage on), so both commands compile the same program.
     Tuple and token parameters, which the runner cannot feed, are fine here.
     """
-    from hlo_tools import runner, xla_bridge  # noqa: PLC0415 - starts XLA
+    from hlo_tools.xla import runner, xla_bridge  # noqa: PLC0415 - starts XLA
 
     try:
         module = xla_bridge.xla_parse(text)
@@ -369,7 +369,7 @@ def _worker_main(module_path: str, result_path: str, platform: str) -> None:
 
 def _measure_isolated(text: str, platform: str, timeout: float | None) -> dict:
     """:func:`_compile_and_measure` in a child process; a crash or timeout is an XlaCostError."""
-    from hlo_tools import runner  # noqa: PLC0415 - its isolation helpers (no XLA in this process)
+    from hlo_tools.xla import runner  # noqa: PLC0415 - its isolation helpers (no XLA in this process)
 
     with tempfile.TemporaryDirectory(prefix="hlo-tools-stats-") as directory:
         module_path = os.path.join(directory, "module.hlo")
@@ -379,7 +379,7 @@ def _measure_isolated(text: str, platform: str, timeout: float | None) -> dict:
             f.write(text)
         with open(stderr_path, "wb") as stderr:
             proc = subprocess.Popen(
-                [sys.executable, "-c", "import sys; from hlo_tools.stats import _worker_main; "
+                [sys.executable, "-c", "import sys; from hlo_tools.inspection.stats import _worker_main; "
                                        "_worker_main(*sys.argv[1:])",
                  module_path, result_path, platform],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr,

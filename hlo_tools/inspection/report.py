@@ -1,6 +1,6 @@
 """One self-contained HTML page for a dump directory: what every pass did to every module.
 
-    from hlo_tools import report
+    from hlo_tools.inspection import report
     page = report.build_report("dump_dir")          # ReportError when nothing in it is usable
     html_text = report.render_html(page)
 
@@ -18,11 +18,11 @@ XLA's ``--xla_dump_to`` (with or without ``--xla_dump_hlo_pass_re``) or
   ``module_NNNN.<name>.<compiler>_after_optimizations.txt``.
 
 Every other file (buffer assignments, LLVM IR, ...) is ignored.  Each step is
-compared with the step before it through :func:`hlo_tools.diff.diff_modules`;
+compared with the step before it through :func:`hlo_tools.inspection.diff.diff_modules`;
 a step that changed something gets the counts that moved, side-by-side SVG
-graphs of the neighbourhood that changed (:mod:`hlo_tools.graph`), the diff as
+graphs of the neighbourhood that changed (:mod:`hlo_tools.inspection.graph`), the diff as
 text, and the report lines.  Each module also gets IR statistics
-(:func:`hlo_tools.stats.module_stats`) of its first and last step; nothing is
+(:func:`hlo_tools.inspection.stats.module_stats`) of its first and last step; nothing is
 compiled, so any dump, however large, reports quickly.
 
 The page lists the modules that some step changed (or that have an unreadable
@@ -51,15 +51,15 @@ import html
 import os
 import re
 
-from . import cost_model, graph
-from .cost_model import Chip
-from .errors import one_line
-from .diff import ComputationDiff, ModuleDiff, diff_modules
-from .errors import HloParseError
-from .ir import HloModule
-from .parser import parse_module
-from .stats import ModuleStats, module_stats
-from .topology import Topology
+from hlo_tools.inspection import cost_model, graph
+from hlo_tools.inspection.cost_model import Chip
+from hlo_tools.ir.errors import one_line
+from hlo_tools.inspection.diff import ComputationDiff, ModuleDiff, diff_modules
+from hlo_tools.ir.errors import HloParseError
+from hlo_tools.ir.hlo import HloModule
+from hlo_tools.ir.parser import parse_module
+from hlo_tools.inspection.stats import ModuleStats, module_stats
+from hlo_tools.inspection.topology import Topology
 
 __all__ = ["ReportError", "DumpFile", "ModuleTimeline", "Step", "GraphPair", "Change", "Snapshot", "Report",
            "classify", "scan_dump", "select_modules", "build_report", "render_html", "unified_diff", "plural"]
@@ -250,7 +250,7 @@ class ModuleTimeline:
 
 @dataclasses.dataclass(frozen=True)
 class Machine:
-    """Where `hlo-tools report --topology` prices each step (hlo_tools.cost_model)."""
+    """Where `hlo-tools report --topology` prices each step (hlo_tools.inspection.cost_model)."""
 
     topology: Topology
     chip: Chip
@@ -322,7 +322,7 @@ def select_modules(groups: dict[tuple[int, str, str], list[DumpFile]],
 def build_report(directory: str, *, hops: int = DEFAULT_HOPS, max_nodes: int = DEFAULT_MAX_NODES,
                  layout: str = "auto", module_pattern: str | None = None, machine: Machine | None = None) -> Report:
     """Read the HLO dumps in ``directory`` (of the modules ``module_pattern`` selects, or all)
-    and compare each step with the one before; ``layout`` is :data:`hlo_tools.graph.LAYOUTS`'s.
+    and compare each step with the one before; ``layout`` is :data:`hlo_tools.inspection.graph.LAYOUTS`'s.
     With a ``machine``, every step of a per-device module gets its estimated step time there
     (the cost model's IR estimate: compiling every step with XLA would take minutes)."""
     groups = scan_dump(directory)

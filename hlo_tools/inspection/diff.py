@@ -34,8 +34,8 @@ import collections
 import dataclasses
 import re
 
-from .ir import HloComputation, HloInstruction, HloModule
-from .printer import format_value
+from hlo_tools.ir.hlo import HloComputation, HloInstruction, HloModule
+from hlo_tools.ir.printer import format_value
 
 __all__ = ["ModuleDiff", "ComputationDiff", "InstructionChange", "diff_modules"]
 

@@ -1,6 +1,6 @@
 """Capture HLO modules before and after XLA's optimizations, in files named as XLA names its dumps.
 
-    from hlo_tools import dump
+    from hlo_tools.xla import dump
     dump.dump_jax(step, params, batch, out_dir="dumps")          # jax.jit(step).lower(...)
     dump.dump_tf(tf_step, tf.TensorSpec([8, 16]), out_dir="dumps")  # tf.function(jit_compile=True)
     files, status = dump.dump_script(["python", "train.py"], "dumps")

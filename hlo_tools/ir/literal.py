@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 import re
 
-from .attributes import AttrError
-from .shape import COMPLEX_DTYPES, DTYPE_BITS, FLOAT_DTYPES, Shape
+from hlo_tools.ir.attributes import AttrError
+from hlo_tools.ir.shape import COMPLEX_DTYPES, DTYPE_BITS, FLOAT_DTYPES, Shape
 
 _TOKEN = re.compile(
     r"\s*(?:(/\*.*?\*/)|(\.\.\.)|([-+]?nan\(0x[0-9a-fA-F]+\))|([{}(),])"

@@ -1,6 +1,6 @@
 """``hlo-tools report DIR -o report.html``: one HTML page for a dump directory.
 
-See docs/report.md; the analysis and the page are :mod:`hlo_tools.report`.
+See docs/report.md; the analysis and the page are :mod:`hlo_tools.inspection.report`.
 """
 
 from __future__ import annotations
@@ -8,9 +8,10 @@ from __future__ import annotations
 import argparse
 import os
 
-from hlo_tools import cli, graph, report
-from hlo_tools.cost_command import add_machine_options, machine
-from hlo_tools.graph_command import add_layout_option, check_drawing_options
+from hlo_tools import cli
+from hlo_tools.inspection import graph, report
+from hlo_tools.cli.cost_command import add_machine_options, machine
+from hlo_tools.cli.graph_command import add_layout_option, check_drawing_options
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

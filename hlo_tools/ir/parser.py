@@ -17,12 +17,12 @@ import gc
 import operator
 import re
 
-from . import attributes as A
-from .errors import HloParseError
-from .ir import COMPUTATION_ATTRS, HloComputation, HloInstruction, HloModule
-from .literal import Literal
-from .opcodes import OPCODES, is_opcode
-from .shape import DTYPE_BITS, UNBOUNDED, Layout, Shape
+from hlo_tools.ir import attributes as A
+from hlo_tools.ir.errors import HloParseError
+from hlo_tools.ir.hlo import COMPUTATION_ATTRS, HloComputation, HloInstruction, HloModule
+from hlo_tools.ir.literal import Literal
+from hlo_tools.ir.opcodes import OPCODES, is_opcode
+from hlo_tools.ir.shape import DTYPE_BITS, UNBOUNDED, Layout, Shape
 
 BYTE_ORDER_MARK = "\ufeff"  # dropped at the start of the text
 MAX_NESTING = 256  # deeper tuples/brackets than any real module; XLA's own parser crashes near 10k
@@ -1203,7 +1203,7 @@ class _Parser:
         return A.Raw(raw)
 
     def _infer_shape(self, opcode, operands, attrs, literal, pos) -> Shape:
-        from .shape_inference import ShapeInferenceError, infer_shape
+        from hlo_tools.ir.shape_inference import ShapeInferenceError, infer_shape
         if opcode == "parameter":
             raise self.error("a parameter needs a shape", pos)
         if any(v is None for v in attrs.values()):

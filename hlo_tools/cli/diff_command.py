@@ -11,7 +11,8 @@ import argparse
 import json
 import sys
 
-from hlo_tools import cli, diff
+from hlo_tools import cli
+from hlo_tools.inspection import diff
 
 EXIT_SAME, EXIT_DIFFERENT, EXIT_TROUBLE = 0, 1, 2
 

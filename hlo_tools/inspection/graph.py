@@ -1,6 +1,6 @@
 """Draw one computation of an HLO module as an SVG graph, in pure Python.
 
-    from hlo_tools import graph
+    from hlo_tools.inspection import graph
     g = graph.computation_graph(module.entry, focus=["all-reduce.3"], hops=2, max_nodes=80)
     svg = graph.render_svg(g)
 
@@ -36,9 +36,9 @@ import shutil
 import subprocess
 from collections.abc import Iterable, Mapping
 
-from .diff import instruction_text
-from .ir import HloComputation, HloInstruction
-from .stats import COLLECTIVE_KINDS, collective_kind
+from hlo_tools.inspection.diff import instruction_text
+from hlo_tools.ir.hlo import HloComputation, HloInstruction
+from hlo_tools.inspection.stats import COLLECTIVE_KINDS, collective_kind
 
 __all__ = ["Graph", "GraphNode", "LayoutError", "computation_graph", "render_svg", "resolve_layout", "node_id",
            "is_collective", "DEFAULT_MAX_NODES", "STATUSES", "LAYOUTS"]

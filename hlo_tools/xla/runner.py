@@ -3,7 +3,7 @@
 This is how every pass of the project is checked: run the module before and
 after the pass on the same global inputs and compare the outputs
 (:func:`compare_modules`).  The ``hlo-tools run`` command
-(:mod:`hlo_tools.run_command`) is a thin layer over this module.
+(:mod:`hlo_tools.cli.run_command`) is a thin layer over this module.
 
 Modes, chosen from the device counts (arguments, else the module header's
 ``replica_count=`` / ``num_partitions=``, else 1):
@@ -45,7 +45,7 @@ Multi-process: ``num_processes=P`` starts P local worker processes that join a
 has 1/P of the devices, and process 0 gathers the outputs.  One process of
 such a run can also be started by hand with ``coordinator=`` and ``process_id=``.
 
-Every jaxlib call is in :mod:`hlo_tools.xla_bridge`; this module only imports
+Every jaxlib call is in :mod:`hlo_tools.xla.xla_bridge`; this module only imports
 it inside the functions that compile or run, so that the parent of an
 isolated run never starts XLA.
 """
@@ -165,7 +165,7 @@ def compile_executable(module, platform: str, devices: list, process_index: int,
     Raises:
       xla_bridge.XlaBridgeError: XLA could not compile it.
     """
-    from hlo_tools import xla_bridge  # noqa: PLC0415
+    from hlo_tools.xla import xla_bridge  # noqa: PLC0415
 
     if stage:
         return xla_bridge.compile_optimized_module(
@@ -926,7 +926,7 @@ class LoadedModule:
     """One module read by XLA, with its device counts, mode and placements resolved."""
 
     def __init__(self, spec: _RunSpec, status):
-        from hlo_tools import xla_bridge  # noqa: PLC0415
+        from hlo_tools.xla import xla_bridge  # noqa: PLC0415
 
         self.spec = spec
         ref = spec.ref
@@ -1035,7 +1035,7 @@ class LoadedModule:
 
     def compile(self, devices, process_index: int = 0, platform: str = "cpu") -> "CompiledModule":
         """Compile for `devices` (one per replica or partition)."""
-        from hlo_tools import xla_bridge  # noqa: PLC0415
+        from hlo_tools.xla import xla_bridge  # noqa: PLC0415
 
         try:
             executable = compile_executable(
@@ -1084,7 +1084,7 @@ class CompiledModule:
 
     def execute(self, device_inputs, iterations: int = 1, progress=None):
         """Run on inputs already split per device: (per-output pieces by device, seconds)."""
-        from hlo_tools import xla_bridge  # noqa: PLC0415
+        from hlo_tools.xla import xla_bridge  # noqa: PLC0415
 
         try:
             return self.executable.execute(device_inputs, iterations, progress)
@@ -1109,7 +1109,7 @@ def load_module(text: str, name: str = "<module>", num_replicas: int | None = No
 
 
 def _describe(text: str, module_name: str, what: str):
-    from hlo_tools import xla_bridge  # noqa: PLC0415
+    from hlo_tools.xla import xla_bridge  # noqa: PLC0415
 
     try:
         return xla_bridge.describe_sharding(text)
@@ -1119,7 +1119,7 @@ def _describe(text: str, module_name: str, what: str):
 
 def _sharding_device_count(texts) -> int:
     """How many devices the tiled and maximal shardings among ``texts`` name (at least 1)."""
-    from hlo_tools import xla_bridge  # noqa: PLC0415
+    from hlo_tools.xla import xla_bridge  # noqa: PLC0415
 
     count = 1
     for text in texts:
@@ -1249,7 +1249,7 @@ def unwritten_gather_warnings(printed: str, num_devices: int, name: str) -> list
     if num_devices != 1 or "all-gather" not in printed:
         return []
     import hlo_tools  # noqa: PLC0415
-    from hlo_tools.shape_inference import attr_ints  # noqa: PLC0415
+    from hlo_tools.ir.shape_inference import attr_ints  # noqa: PLC0415
 
     try:
         module = hlo_tools.parse_module(printed)
@@ -1308,7 +1308,7 @@ def _execute_job(job: _Job, status=lambda _: None, progress_stream=None) -> list
 
     Returns the results (None on processes other than 0 of a multi-process run).
     """
-    from hlo_tools import xla_bridge  # noqa: PLC0415
+    from hlo_tools.xla import xla_bridge  # noqa: PLC0415
 
     loaded = [LoadedModule(spec, status) for spec in job.runs]
     biggest = max(loaded, key=lambda m: m.num_devices)
@@ -1531,7 +1531,7 @@ def _worker_main(job_path: str) -> None:
             _atomic_write(os.path.join(directory, _RESULT_FILE), json.dumps({"results": []}))
         if distributed:
             status("leaving the distributed run")
-            from hlo_tools import xla_bridge  # noqa: PLC0415
+            from hlo_tools.xla import xla_bridge  # noqa: PLC0415
 
             xla_bridge.shutdown_distributed()  # a barrier: only after a success
         status("done")
@@ -1602,7 +1602,7 @@ def _spawn(job_dict: dict, directory: str, progress_fd: int | None):
     stderr_path = os.path.join(directory, "stderr.txt")
     stderr_file = open(stderr_path, "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from hlo_tools.runner import _worker_main; "
+        [sys.executable, "-c", "import sys; from hlo_tools.xla.runner import _worker_main; "
                                "_worker_main(sys.argv[1])", job_path],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr_file,
         env=child_env(), pass_fds=(progress_fd,) if progress_fd is not None else (),
@@ -1660,7 +1660,7 @@ def _run_isolated(job: _Job, timeout: float | None, **distributed) -> list[RunRe
 def ensure_cpu_devices(needed: int, count: int) -> None:
     """Before jax starts its CPU backend: give it ``count`` devices when XLA_FLAGS would give
     fewer than ``needed`` (once the backend runs, its device count is fixed)."""
-    from hlo_tools import xla_bridge  # noqa: PLC0415
+    from hlo_tools.xla import xla_bridge  # noqa: PLC0415
 
     if xla_bridge.backend_initialized():
         return

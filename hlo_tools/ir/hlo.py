@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from .shape import Shape
+from hlo_tools.ir.shape import Shape
 
 CONTROL_PREDECESSORS = "control-predecessors"
 
@@ -89,7 +89,7 @@ class HloInstruction:
     _name_start = None        # where the name starts inside the span (after `ROOT`)
     _owner = None             # the instruction whose source text holds this nested one
     _shape_set = False        # set_shape was called: users may no longer fit (the verifier checks them)
-    _edited_operands_only = False  # every edit since parsing set operands (see hlo_tools.proto_patch)
+    _edited_operands_only = False  # every edit since parsing set operands (see hlo_tools.xla.proto_patch)
 
     def __init__(self, name: str, opcode: str, shape: Shape, operands=(), attrs=None,
                  parameter_number: int | None = None, literal=None):
@@ -235,7 +235,7 @@ class HloInstruction:
     # -- printing ---------------------------------------------------------------------------------
     def to_text(self, *, sigils: bool = True, operand_shapes: bool = True) -> str:
         """This instruction in XLA's syntax (no `ROOT`), regenerated from the IR."""
-        from .printer import print_instruction
+        from hlo_tools.ir.printer import print_instruction
         return print_instruction(self, sigils=sigils, operand_shapes=operand_shapes)
 
 
@@ -393,8 +393,8 @@ class HloComputation:
         if module is not None and self.is_entry:
             module._header_stale = True
             if "entry_computation_layout" in module.attrs and self.root is not None:
-                from .attributes import Raw
-                from .printer import entry_computation_layout
+                from hlo_tools.ir.attributes import Raw
+                from hlo_tools.ir.printer import entry_computation_layout
                 module.attrs["entry_computation_layout"] = Raw(entry_computation_layout(self))
 
     def add_instruction(self, opcode: str, operands: Iterable[HloInstruction] = (), shape: Shape | None = None,
@@ -407,7 +407,7 @@ class HloComputation:
         """
         operands = list(operands)
         if shape is None:
-            from .shape_inference import infer_shape
+            from hlo_tools.ir.shape_inference import infer_shape
             shape = infer_shape(opcode, [o.shape for o in operands], attrs or {}, literal=literal)
         module = self.parent
         base = name or opcode
@@ -545,7 +545,7 @@ class HloComputation:
 
     def remove_dead_code(self, keep_side_effects: bool = True) -> bool:
         """Remove instructions whose results nobody uses; returns whether anything was removed."""
-        from .opcodes import has_side_effect
+        from hlo_tools.ir.opcodes import has_side_effect
         live = set()
         stack = [self.root] + [i for i in self.instructions if i.opcode == "parameter"]
         if keep_side_effects:
@@ -689,7 +689,7 @@ class HloModule:
     def _claimed_names(self) -> set[str]:
         """Every name in the module, those in bodies not parsed yet included (read from their text)."""
         if self._unclaimed:
-            from .parser import defined_names
+            from hlo_tools.ir.parser import defined_names
             self._names.update(defined_names("".join(c.unparsed_text for c in self._unclaimed if not c.parsed)))
             self._unclaimed = []
         return self._names
@@ -786,7 +786,7 @@ class HloModule:
 
         `regenerate=True` prints everything from the IR, reusing no source text.
         """
-        from .printer import print_module
+        from hlo_tools.ir.printer import print_module
         return print_module(self, regenerate=regenerate)
 
     def __str__(self):

@@ -20,8 +20,8 @@ slice, dynamic-slice, collectives, fusion, ...): `PARSER_INFERABLE` lists the on
 """
 from __future__ import annotations
 
-from .attributes import ConvDimensionNumbers, PaddingConfig, Raw, SliceSpec, Window
-from .shape import COMPLEX_DTYPES, DTYPE_BITS, FLOAT_DTYPES, INTEGRAL_DTYPES, SIGNED_DTYPES, Layout, Shape
+from hlo_tools.ir.attributes import ConvDimensionNumbers, PaddingConfig, Raw, SliceSpec, Window
+from hlo_tools.ir.shape import COMPLEX_DTYPES, DTYPE_BITS, FLOAT_DTYPES, INTEGRAL_DTYPES, SIGNED_DTYPES, Layout, Shape
 
 
 class ShapeInferenceError(Exception):
@@ -265,7 +265,7 @@ def infer_shape(opcode: str, operand_shapes, attrs: dict | None = None, literal=
     if rule is None:
         if opcode in _NEEDS_SHAPE:
             _fail(f"the shape of {_NEEDS_SHAPE[opcode]} must be given")
-        from .opcodes import async_wrapped_opcode
+        from hlo_tools.ir.opcodes import async_wrapped_opcode
         wrapped = async_wrapped_opcode(opcode)
         if wrapped is not None:
             if opcode.endswith("-update"):

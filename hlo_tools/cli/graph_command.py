@@ -1,13 +1,14 @@
 """``hlo-tools graph MODULE``: one computation of a module as an SVG graph.
 
-See docs/report.md; the drawing is :mod:`hlo_tools.graph`.
+See docs/report.md; the drawing is :mod:`hlo_tools.inspection.graph`.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from hlo_tools import cli, graph
+from hlo_tools import cli
+from hlo_tools.inspection import graph
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -1,6 +1,6 @@
 """Checks an HloModule the way XLA does: its HLO parser's semantic checks, then its HloVerifier.
 
-    from hlo_tools.verifier import verify_module, verify_edits
+    from hlo_tools.ir.verifier import verify_module, verify_edits
     verify_module(module)        # HloVerifyError(message, line=..., instruction=...) on the first problem
     verify_edits(module)         # the same checks, on what was edited since the module was parsed
 
@@ -25,12 +25,12 @@ from __future__ import annotations
 import functools
 import re
 
-from . import attributes as A
-from .errors import HloVerifyError
-from .opcodes import OPCODES, async_wrapped_opcode
-from .shape import FLOAT_DTYPES, INTEGRAL_DTYPES, UNBOUNDED, Shape
-from .shape_inference import (ShapeInferenceError, attr_bool, attr_int, attr_ints, compatible, default_layout,
-                              infer_shape, program_shape)
+from hlo_tools.ir import attributes as A
+from hlo_tools.ir.errors import HloVerifyError
+from hlo_tools.ir.opcodes import OPCODES, async_wrapped_opcode
+from hlo_tools.ir.shape import FLOAT_DTYPES, INTEGRAL_DTYPES, UNBOUNDED, Shape
+from hlo_tools.ir.shape_inference import (ShapeInferenceError, attr_bool, attr_int, attr_ints, compatible,
+                                          default_layout, infer_shape, program_shape)
 
 # ----------------------------------------------------------------------------------------------------
 # What XLA's parser accepts per opcode (CreateInstruction in xla/hlo/parser/hlo_parser.cc)
@@ -1797,7 +1797,7 @@ def _braced_items(text: str, item: re.Pattern, attribute: str) -> list[re.Match]
 def _parse_computation_layout(text: str):
     """`{(f32[2]{0}, s32[])->f32[2]{0}}` -> ((parameter shapes), result shape); cached, since a pipeline
     verifies the same module's layout after every pass."""
-    from .parser import parse_shape
+    from hlo_tools.ir.parser import parse_shape
     body = text.strip()
     if not (body.startswith("{") and body.endswith("}")):
         raise ValueError("expects '{' at the start of the computation layout")

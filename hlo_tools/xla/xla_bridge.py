@@ -98,7 +98,7 @@ def same_meaning(text_a: str, text_b: str) -> bool:
     return canonical_text(text_a) == canonical_text(text_b)
 
 
-# --- Compiling and executing (hlo_tools.runner) ------------------------------
+# --- Compiling and executing (hlo_tools.xla.runner) ------------------------------
 #
 # Everything the runner needs from jax/jaxlib, in plain Python and numpy terms:
 # devices are jax device objects only inside this section; callers see indices.

@@ -23,7 +23,7 @@ those of xla/service/hlo.proto.
 """
 from __future__ import annotations
 
-from .ir import HloComputation, HloModule
+from hlo_tools.ir.hlo import HloComputation, HloModule
 
 # HloModuleProto / HloComputationProto / HloInstructionProto fields used here.
 _MODULE_COMPUTATIONS = 3
@@ -279,7 +279,7 @@ def _small_module_proto(module: HloModule, regenerated: list, callees: list, tex
 
     Returns (proto bytes, instr -> (start, end) of its message, ("i"|"c", small id) -> name).
     """
-    from .printer import _Style, _instruction_text
+    from hlo_tools.ir.printer import _Style, _instruction_text
 
     chosen = set(regenerated)
     used = []
