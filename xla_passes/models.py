@@ -465,11 +465,7 @@ def model_parallel_step(spec: ModelSpec, mesh: jax.sharding.Mesh, *, batch_per_d
     batch, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
 
     def train_step(params, opt_state, tokens, labels):
-        def loss_fn(p):
-            logits = spec.model.apply({"params": p}, tokens)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
+        loss, grads, _ = loss_and_gradients(spec, params, {}, tokens, labels)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 

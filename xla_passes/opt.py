@@ -22,7 +22,6 @@ import hlo_tools
 from hlo_tools import cli
 from hlo_tools.inspection import cost_model
 from hlo_tools.cli.cost_command import add_machine_options, machine
-from hlo_tools.inspection.topology import Topology
 
 from . import validation
 from .core import PassError, registered_passes
@@ -134,10 +133,10 @@ def _without_leading_comments(text: str) -> str:
 def optimize(text: str, passes: str, *, path: str, split: bool = False, verify: bool = True,
              dump_to: str | None = None, regenerate: bool = False, report: bool = False,
              check: bool = False, layouts_final: bool = False,
-             machine: tuple[Topology, cost_model.Chip] | None = None) -> str:
+             machine: cost_model.Machine | None = None) -> str:
     """The text of the module(s) in `text` after `passes` (CommandError on any failure).
 
-    With `report` and a `machine` (topology, chip), the estimated step time of the module
+    With `report` and a `machine`, the estimated step time of the module
     before the passes and after each pass that changed it goes to stderr."""
     outputs = []
     for number, (chunk, offset) in enumerate(_chunks(text, split)):
@@ -165,16 +164,15 @@ def optimize(text: str, passes: str, *, path: str, split: bool = False, verify: 
     return f"\n{SPLIT_MARKER}\n".join(out.rstrip("\n") + "\n" for out in outputs) if split else outputs[0]
 
 
-def _step_times(module_name: str, machine: tuple[Topology, cost_model.Chip]):
+def _step_times(module_name: str, machine: cost_model.Machine):
     """A `Pipeline.after_pass` that prints the module's estimated step time (the cost model's IR
     estimate) after each pass, with its ratio to the input's."""
-    topology, chip = machine
     first = []
 
     def price(step: str, module: hlo_tools.HloModule) -> None:
-        where = f"estimated step on {topology.describe()} of {chip.name}{'' if step == 'input' else ' after ' + step}"
+        where = f"estimated step on {machine.describe()}{'' if step == 'input' else ' after ' + step}"
         try:
-            seconds = cost_model.estimate(module, topology, chip, use_xla=False).step_time_s
+            seconds = machine.step_time_s(module)
         except cost_model.CostModelError as exc:
             print(f"{module_name}: {where}: not priced: {exc}", file=sys.stderr)
             return
@@ -226,11 +224,11 @@ def _check(original: str, module: hlo_tools.HloModule, pipeline: Pipeline) -> No
           file=sys.stderr)
 
 
-def _machine(args: argparse.Namespace) -> tuple[Topology, cost_model.Chip] | None:
-    topology, chip = machine(args)
-    if topology is not None and not args.report:
+def _machine(args: argparse.Namespace) -> cost_model.Machine | None:
+    chosen = machine(args)
+    if chosen is not None and not args.report:
         raise cli.CommandError("--topology prices the steps of --report: add --report")
-    return (topology, chip) if topology is not None else None
+    return chosen
 
 
 def main(argv: list[str] | None = None) -> int:

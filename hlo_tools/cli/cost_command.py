@@ -58,15 +58,15 @@ def add_machine_options(p: argparse.ArgumentParser, *, topology_required: bool) 
         p.add_argument(flag, type=float, metavar="X", help=f"override the chip's {meaning}")
 
 
-def machine(args: argparse.Namespace) -> tuple[Topology | None, cost_model.Chip]:
-    """The topology (None when --topology is not given) and chip the machine options describe."""
+def machine(args: argparse.Namespace) -> cost_model.Machine | None:
+    """The machine the options describe; None when --topology is not given."""
     chip = _chip(args)
     if args.topology is None:
         if args.failed:
             raise cli.CommandError("--failed needs --topology")
-        return None, chip
+        return None
     try:
-        return Topology.parse(args.topology, failed=args.failed), chip
+        return cost_model.Machine(Topology.parse(args.topology, failed=args.failed), chip)
     except TopologyError as exc:
         raise cli.CommandError(str(exc)) from exc
 
@@ -95,10 +95,10 @@ def run_cost(args: argparse.Namespace) -> int:
             raise cli.CommandError(f"{flag} must be at least 1, not {value}")
     if args.timeout is not None and not args.timeout > 0:
         raise cli.CommandError(f"--timeout must be a positive number of seconds, not {args.timeout:g}")
-    topology, chip = machine(args)
+    chosen = machine(args)
     module = cli.load_module(args.input)
     try:
-        step = cost_model.estimate(module, topology, chip, num_replicas=args.num_replicas,
+        step = cost_model.estimate(module, chosen.topology, chosen.chip, num_replicas=args.num_replicas,
                                    num_partitions=args.num_partitions, use_xla=args.use_xla,
                                    timeout=args.timeout)
     except cost_model.CostModelError as exc:

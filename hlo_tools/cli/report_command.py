@@ -44,7 +44,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_report(args: argparse.Namespace) -> int:
     """Write the report of ``args.directory`` to ``args.output``; say where, and what was skipped."""
     check_drawing_options(args)
-    topology, chip = machine(args)
+    priced_on = machine(args)
     if os.path.isdir(args.output):
         raise cli.CommandError("is a directory; give the HTML file to write", args.output)
     if not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
@@ -55,7 +55,7 @@ def run_report(args: argparse.Namespace) -> int:
                 raise cli.CommandError("refusing to overwrite a file of the dump", args.output)
         page = report.build_report(args.directory, hops=args.hops, max_nodes=args.max_nodes,
                                    layout=args.layout, module_pattern=args.module,
-                                   machine=report.Machine(topology, chip) if topology else None)
+                                   machine=priced_on)
     except (report.ReportError, graph.LayoutError) as exc:
         raise cli.CommandError(str(exc)) from exc
     cli.write_atomically(args.output, report.render_html(page))

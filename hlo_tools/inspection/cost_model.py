@@ -490,6 +490,22 @@ class CollectiveEstimate:
         return dataclasses.asdict(self)
 
 
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """A topology of chips: where `xla-opt --report` and `hlo-tools report` price each step."""
+
+    topology: Topology
+    chip: Chip
+
+    def describe(self) -> str:
+        return f"{self.topology.describe()} of {self.chip.name}"
+
+    def step_time_s(self, module: HloModule) -> float:
+        """One step of the per-device ``module`` here, from the IR alone (fast enough to price
+        every step of a pipeline; CostModelError when it does not fit the machine)."""
+        return estimate(module, self.topology, self.chip, use_xla=False).step_time_s
+
+
 @dataclasses.dataclass
 class StepEstimate:
     """One step: compute plus every collective, one after the other."""

@@ -52,14 +52,12 @@ import os
 import re
 
 from hlo_tools.inspection import cost_model, graph
-from hlo_tools.inspection.cost_model import Chip
-from hlo_tools.ir.errors import one_line
+from hlo_tools.inspection.cost_model import Machine
 from hlo_tools.inspection.diff import ComputationDiff, ModuleDiff, diff_modules
-from hlo_tools.ir.errors import HloParseError
+from hlo_tools.ir.errors import HloParseError, one_line
 from hlo_tools.ir.hlo import HloModule
 from hlo_tools.ir.parser import parse_module
 from hlo_tools.inspection.stats import ModuleStats, module_stats
-from hlo_tools.inspection.topology import Topology
 
 __all__ = ["ReportError", "DumpFile", "ModuleTimeline", "Step", "GraphPair", "Change", "Snapshot", "Report",
            "classify", "scan_dump", "select_modules", "build_report", "render_html", "unified_diff", "plural"]
@@ -248,17 +246,6 @@ class ModuleTimeline:
         return any(step.snapshot.error for step in self.steps)
 
 
-@dataclasses.dataclass(frozen=True)
-class Machine:
-    """Where `hlo-tools report --topology` prices each step (hlo_tools.inspection.cost_model)."""
-
-    topology: Topology
-    chip: Chip
-
-    def describe(self) -> str:
-        return f"{self.topology.describe()} of {self.chip.name}"
-
-
 @dataclasses.dataclass
 class Report:
     directory: str
@@ -349,8 +336,7 @@ def build_report(directory: str, *, hops: int = DEFAULT_HOPS, max_nodes: int = D
 
 def _price(snapshot: Snapshot, machine: Machine) -> None:
     try:
-        estimate = cost_model.estimate(snapshot.module, machine.topology, machine.chip, use_xla=False)
-        snapshot.estimated_step_s = estimate.step_time_s
+        snapshot.estimated_step_s = machine.step_time_s(snapshot.module)
     except cost_model.CostModelError as exc:
         snapshot.estimate_note = one_line(str(exc))
 

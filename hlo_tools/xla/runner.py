@@ -1492,10 +1492,8 @@ def _restore_dtype(array: np.ndarray, name: str, ml_dtypes) -> np.ndarray:
 
 
 def _atomic_write(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    """The worker's status and result files: the parent never reads half of one."""
+    write_through_temp_file(path, lambda f: f.write(text), binary=False)
 
 
 def _worker_main(job_path: str) -> None:
