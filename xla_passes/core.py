@@ -22,6 +22,7 @@ import typing
 from collections.abc import Callable, Collection, Mapping
 from typing import ClassVar
 
+import hlo_tools
 from hlo_tools import HloModule
 
 
@@ -179,3 +180,13 @@ def pass_class(name: str) -> type[HloPass]:
     if name not in passes:
         raise PassError(f"unknown pass {name!r} (valid passes: {', '.join(passes)})")
     return passes[name]
+
+
+def restore(module: HloModule, text: str) -> None:
+    """Make `module` (the same object) hold the module printed as `text` again."""
+    fresh = hlo_tools.parse_module(text)
+    fresh.layouts_final = module.layouts_final  # not in the text
+    module.__dict__.clear()
+    module.__dict__.update(fresh.__dict__)
+    for comp in module.computations:
+        comp.parent = module

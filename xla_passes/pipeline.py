@@ -26,7 +26,7 @@ from hlo_tools.xla.dump import module_file_name, sanitize_file_name, write_new, 
 from hlo_tools.ir.verifier import verify_edits, verify_module
 
 from .collectives import DIMENSIONED_COLLECTIVES, layout_problem
-from .core import HloPass, PassError, pass_class
+from .core import HloPass, PassError, pass_class, restore
 from .replica_groups import inferred_device_counts
 
 FIXED_POINT = "fixed-point"
@@ -228,16 +228,6 @@ def _check_collective_layouts(hlo_pass: HloPass, module: HloModule) -> None:
         problem = layout_problem(instr)
         if problem:
             raise PassError(f"produced a collective XLA would run wrongly: {problem}", hlo_pass.name, instr.name)
-
-
-def restore(module: HloModule, text: str) -> None:
-    """Make `module` (the same object) hold the module printed as `text` again."""
-    fresh = hlo_tools.parse_module(text)
-    fresh.layouts_final = module.layouts_final  # not in the text
-    module.__dict__.clear()
-    module.__dict__.update(fresh.__dict__)
-    for comp in module.computations:
-        comp.parent = module
 
 
 def run_passes(module: HloModule, passes, **options) -> bool:

@@ -33,7 +33,7 @@ class CallInliner(HloPass):
         for comp in module.computations_post_order():
             for instr in list(comp.instructions):
                 if instr.opcode == "call" and _inlinable(instr):
-                    _inline(instr)
+                    inline(instr, instr.attrs["to_apply"])
                     changed = True
         if changed:
             callers = module.callers()
@@ -55,9 +55,52 @@ def _inlinable(call: HloInstruction) -> bool:
     return not has_control and callee.execution_thread in (None, call.parent.execution_thread)
 
 
-def _inline(call: HloInstruction) -> None:
+def inline_fusions(comp: HloComputation) -> bool:
+    """Replace every fusion in `comp` by the instructions of its fused computation.
+
+    XLA's fusions hide the dataflow a pass may need to see whole (distributed-batch-norm
+    pairs a statistic with its gradient across them). Fusions recompute shared producers, so
+    `cse` after this merges the copies. Fused computations no caller is left for are removed.
+    """
+    fusions = [instr for instr in comp.instructions if instr.opcode == "fusion"]
+    for fusion in fusions:
+        inline(fusion, fusion.attrs["calls"])
+    if fusions:
+        comp.parent.remove_dead_computations()
+    return bool(fusions)
+
+
+# What XLA's CPU runtime runs outside a fusion; after its fusion pass everything else is in one.
+_RUN_UNFUSED = frozenset({
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "copy", "convolution", "dot", "fusion",
+    "call", "custom-call", "while", "conditional", "after-all", "partition-id", "replica-id", "all-reduce",
+    "all-gather", "reduce-scatter", "all-to-all", "collective-permute"})
+
+
+def wrap_in_fusions(comp: HloComputation) -> None:
+    """Put each instruction of `comp` that XLA's CPU runtime runs only inside a fusion in a kLoop
+    fusion of its own (XLA's `wrapped_*` fusions), for a module handed back after XLA's fusion."""
+    module = comp.parent
+    for instr in list(comp.instructions):
+        if instr.opcode in _RUN_UNFUSED:
+            continue
+        fused = HloComputation(module.unique_name(f"wrapped_{instr.opcode}_computation"))
+        parameters = [fused.add_parameter(o.shape, name=f"param_{i}") for i, o in enumerate(instr.operands)]
+        attrs = {key: value for key, value in instr.attrs.items() if key not in ("metadata", "sharding")}
+        fused.set_root(fused.add_instruction(instr.opcode, parameters, instr.shape, attrs=attrs, literal=instr.literal))
+        module.add_computation(fused, before=comp)
+        attrs = {"kind": "kLoop", "calls": fused}
+        if "metadata" in instr.attrs:
+            attrs["metadata"] = instr.attrs["metadata"]
+        fusion = comp.add_instruction("fusion", instr.operands, instr.shape, before=instr, attrs=attrs)
+        instr.replace_all_uses_with(fusion)
+        comp.remove_instruction(instr)
+        fusion.rename(instr.name)
+
+
+def inline(call: HloInstruction, callee: HloComputation) -> None:
+    """Replace `call` (a call or a fusion) by the instructions of `callee`, which it calls."""
     comp: HloComputation = call.parent
-    callee: HloComputation = call.attrs["to_apply"]
     mapping = {callee.parameter(i): operand for i, operand in enumerate(call.operands)}
     for instr in callee.post_order():
         if instr in mapping:

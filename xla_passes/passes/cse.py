@@ -34,11 +34,12 @@ class CommonSubexpressionElimination(HloPass):
     def run(self, module: HloModule) -> bool:
         changed = False
         for comp in module.computations:
-            changed |= _cse_computation(comp)
+            changed |= eliminate_common_subexpressions(comp)
         return changed
 
 
-def _cse_computation(comp: HloComputation) -> bool:
+def eliminate_common_subexpressions(comp: HloComputation) -> bool:
+    """Merge the instructions of `comp` that compute the same value; whether any were."""
     controlled = {p for instr in comp.instructions for p in instr.control_predecessors}
     seen = {}
     duplicates = []

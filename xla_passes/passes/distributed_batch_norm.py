@@ -56,25 +56,32 @@ by the soundness check, when a statistic is already all-reduced across devices (
 `axis_name`; all-reduces over single devices do not count), when it cannot pair gradients with
 statistics, when a called computation reduces over the batch (run `call-inliner` first), when the
 batch is split over several mesh axes, when the module holds `batch-norm-training`/`-grad`
-instructions, and at JAX's compile hook, whose modules are fused: there the pass raises a
-`PassError` saying so (XLA compiles the module unchanged).
+instructions.
+
+At JAX's compile hook the module is fused and simplified; there the pass inlines the fusions, groups
+every sum over the batch whose readers it proves read it as a mean (`_hook_plan`), and wraps each
+instruction in a fusion of its own again. Statistics XLA's partitioner already sums over the whole
+batch axis (a `jit` step with a sharded batch) are refused there.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 import re
+from fractions import Fraction
 
 import numpy as np
 
-from hlo_tools import HloComputation, HloInstruction, HloModule, Literal, ReplicaGroups, Shape
+from hlo_tools import HloComputation, HloInstruction, HloModule, Literal, ReplicaGroups, Shape, Sharding
 from hlo_tools.ir.opcodes import ELEMENTWISE
 from hlo_tools.ir.shape import FLOAT_DTYPES
 
 from ..collectives import reducer_opcode
-from ..core import HloPass, register_pass
+from ..core import HloPass, register_pass, restore
 from ..replication_analysis import SDY_SHARDING_VALUE, parse_sdy_meshes
 from .all_reduce_decomposer import ChannelIds
+from .call_inliner import inline_fusions, wrap_in_fusions
+from .cse import eliminate_common_subexpressions
 
 OPAQUE = -1  # a per-example value whose batch dimension the analysis cannot name
 _UNIT_SHAPE_OPS = frozenset({"reshape", "bitcast"})
@@ -98,6 +105,23 @@ class _Gradient:
     broadcast: HloInstruction
     signature: tuple
     count: int
+
+
+@dataclasses.dataclass
+class _BatchSum:
+    """At JAX's hook: a sum over the batch that flows back into the examples."""
+    value: HloInstruction    # the device's own sum
+    count: int               # the elements `value` sums
+
+
+@dataclasses.dataclass
+class _Target:
+    comp: HloComputation
+    params: dict[int, int]        # parameter number -> its batch dimension
+    groups: list[list[int]]       # the new groups (device ids, or replica ids)
+    mode: str                     # "devices" (flattened ids) or "replicas"
+    axis: list[list[int]]         # the devices along the batch axis, a line for each position on the other axes
+    partitioned: bool = False     # the entry of an SPMD-partitioned program (JAX's hook)
 
 
 @register_pass
@@ -127,21 +151,33 @@ class DistributedBatchNorm(HloPass):
 
     def run(self, module: HloModule) -> bool:
         self.report = []
+        original = None
         if any(i.opcode == "fusion" for i in module.entry.instructions):
-            raise self.fail("the module is after XLA's fusion (JAX's compile hook): the statistics' reductions "
-                            "and divides are inside fusions, where they cannot be paired with their gradients; "
-                            "run the pass on JAX's lowering with xla_passes.jax.jit(step, passes=...) or on "
-                            "a dumped module with xla-opt")
+            # JAX's compile hook: XLA has fused the module, so a statistic's sum, its divide and its
+            # gradient sit in different fusions (each recomputing shared producers). Inlined and
+            # deduplicated, the dataflow is whole again.
+            original = module.to_text()
+            inline_fusions(module.entry)
+            eliminate_common_subexpressions(module.entry)
+            module.entry.remove_dead_code()
         try:
             targets = self._targets(module)
-            plans = [self._plan(module, comp, params, groups, mode) for comp, params, groups, mode in targets]
+            plans = [self._hook_plan(module, t) if t.partitioned else self._plan(module, t) for t in targets]
         except Refusal as exc:
             self.report.append(f"unchanged: {exc}")
-            return False
+            plans = []
         changed = False
         channel_ids = ChannelIds(module)
         for plan in plans:
             changed |= plan.apply(module, channel_ids)
+        if original is not None:
+            if changed:
+                wrap_in_fusions(module.entry)
+                self.report.insert(0, "the module was fused (JAX's compile hook): its fusions are inlined so that "
+                                      "each statistic meets its gradient, and each instruction is then wrapped in a "
+                                      "fusion of its own, as XLA's CPU runtime needs")
+            else:
+                restore(module, original)
         return changed
 
     def _targets(self, module: HloModule):
@@ -154,12 +190,16 @@ class DistributedBatchNorm(HloPass):
             found = self._shard_map_body(module, call)
             if found is not None:
                 targets.append(found)
+        if not targets and not self._batch_numbers:
+            found = self._partitioned_entry(module)
+            if found is not None:
+                targets.append(found)
         if targets and self._batch_numbers:
             raise Refusal("batch_parameters= is for replica programs; this module is a shard_map program")
         if not targets:
             if not self._batch_numbers:
-                raise Refusal("no per-device batch: no shard_map operand is split over a mesh axis; in a "
-                              "replica program name the batch parameters with batch_parameters=")
+                raise Refusal("no per-device batch: no shard_map operand and no entry parameter is split over "
+                              "the devices; in a replica program name the batch parameters with batch_parameters=")
             replicas = module.attrs.get("replica_count")
             if replicas is None:
                 raise Refusal("batch_parameters= needs the module's replica_count")
@@ -168,7 +208,8 @@ class DistributedBatchNorm(HloPass):
                 if number >= entry.num_parameters or entry.parameter(number).shape.is_tuple:
                     raise Refusal(f"batch_parameters: the entry has no array parameter {number}")
             groups = self._position_groups(int(replicas))
-            targets.append((entry, {n: 0 for n in self._batch_numbers}, groups, "replicas"))
+            targets.append(_Target(entry, {n: 0 for n in self._batch_numbers}, groups, "replicas",
+                                   [list(range(int(replicas)))]))
         return targets
 
     def _position_groups(self, size: int) -> list[list[int]]:
@@ -220,23 +261,59 @@ class DistributedBatchNorm(HloPass):
         axis_names, coordinates = meshes[mesh_name]
         if axis not in axis_names or not coordinates:
             raise Refusal(f"mesh {mesh_name!r} has no axis {axis!r}")
-        a = axis_names.index(axis)
-        size = 1 + max(c[a] for c in coordinates.values())
-        positions = self._position_groups(size)
-        by_rest: dict[tuple, dict[int, int]] = {}
-        for device, coords in coordinates.items():
-            by_rest.setdefault(coords[:a] + coords[a + 1:], {})[coords[a]] = device
-        groups = sorted([by_rest[rest][p] for p in group] for rest in sorted(by_rest) for group in positions)
         body = call.attrs["to_apply"]
         if len(module.callers().get(body, [])) != 1:
             raise Refusal(f"the shard_map body %{body.name} is called more than once")
-        return body, {number: dim for number, (dim, _, _) in sources.items()}, groups, "devices"
+        lines = _axis_lines(coordinates, axis_names.index(axis))
+        return _Target(body, {number: dim for number, (dim, _, _) in sources.items()}, self._device_groups(lines),
+                       "devices", lines)
+
+    def _partitioned_entry(self, module: HloModule) -> _Target | None:
+        """The entry of an SPMD-partitioned program (JAX's hook): the batch is the dimension that its
+        tiled entry parameters split (images and labels of a `jit` with `NamedSharding`, or of a
+        `shard_map` whose body XLA has inlined)."""
+        entry = module.entry
+        split: dict[int, int] = {}
+        axes = {}
+        if not module.layouts_final:
+            if any(isinstance(p.attrs.get("sharding"), Sharding) and p.attrs["sharding"].kind == "tiled"
+                   for p in entry.parameters):
+                raise Refusal("a jit program before SPMD partitioning (its sums over the batch are global): "
+                              "the pass runs on per-device programs (a shard_map step, or JAX's compile hook)")
+            return None
+        for param in entry.parameters:
+            sharding = param.attrs.get("sharding")
+            if not isinstance(sharding, Sharding) or sharding.kind != "tiled" or sharding.last_tile_dims:
+                continue
+            data_dims = sharding.tile_dims[:-1] if sharding.last_tile_dim_replicate else sharding.tile_dims
+            dims = [d for d, n in enumerate(data_dims) if n > 1]
+            if not dims:
+                continue
+            if len(dims) > 1:
+                raise Refusal(f"entry parameter {param.parameter_number} is split over several dimensions; only a "
+                              f"batch split over one axis is handled")
+            tiles = np.asarray(sharding.device_list()).reshape(sharding.tile_dims)
+            coordinates = {int(tiles[index]): index for index in np.ndindex(tiles.shape)}
+            axes[param.parameter_number] = _axis_lines(coordinates, dims[0])
+            split[param.parameter_number] = dims[0]
+        if not split:
+            return None
+        lines = next(iter(axes.values()))
+        if any(other != lines for other in axes.values()):
+            raise Refusal("the entry parameters are split over different device axes (a model-parallel weight "
+                          "beside the batch?): cannot tell which is the batch; run the pass on JAX's lowering "
+                          "with xla_passes.jax.jit")
+        return _Target(entry, split, self._device_groups(lines), "devices", lines, partitioned=True)
+
+    def _device_groups(self, lines: list[list[int]]) -> list[list[int]]:
+        positions = self._position_groups(len(lines[0]))
+        return sorted([line[p] for p in group] for line in lines for group in positions)
 
     # -- analysis ----------------------------------------------------------------------------------
 
-    def _plan(self, module, comp, params, groups, mode) -> "_Plan":
-        batch = _BatchDims(module)
-        info = batch.analyse(comp, {n: d for n, d in params.items()})
+    def _plan(self, module, target: _Target) -> "_Plan":
+        comp, groups = target.comp, target.groups
+        info = _BatchDims(module).analyse(comp, target.params)
         k = len(groups[0])
         if any(len(g) != k for g in groups):
             raise Refusal("the groups are not all of the same size")
@@ -294,7 +371,57 @@ class DistributedBatchNorm(HloPass):
                               f"per-replica and per-group statistics")
         if statistics and not gradients:
             self.report.append("no gradient through the statistics: taken as a forward-only program")
-        return _Plan(self, statistics, gradients, groups, mode, k)
+        return _Plan(self, statistics, gradients, groups, target.mode, k)
+
+    def _hook_plan(self, module, target: _Target) -> "_Plan":
+        """A per-device program after XLA's optimizations (JAX's hook), where its simplifier has folded
+        the divides by the count into other constants (`s * 0.0104` for `2 * s / 192`). Every sum over
+        the batch that flows back into the examples is a batch statistic or its gradient; it becomes
+        the group's sum divided by k, for every reader, which is the group's statistic wherever the
+        program reads the sum scaled by 1/count. `_check_means` proves it does."""
+        comp = target.comp
+        info = _BatchDims(module).analyse(comp, target.params)
+        self._axis = {frozenset(line) for line in target.axis}
+        lost = [i for i in comp.instructions if i.opcode == "reduce" and info.get(i.operand(0)) == OPAQUE]
+        if lost:
+            raise Refusal(f"the analysis lost the batch dimension of what %{lost[0].name} reduces (through "
+                          f"%{lost[0].operand(0).name}), so it cannot tell whether it is a statistic")
+        sources: dict[HloInstruction, int] = {}   # the devices' own sums over the batch, and their counts
+        sums: list[_BatchSum] = []
+        for instr in comp.instructions:
+            if (instr.opcode in ("get-tuple-element", "tuple") or not _none(info.get(instr))
+                    or all(_none(info.get(o)) for o in instr.operands)):
+                continue
+            how = _reaches(instr, info, set())
+            if not how:
+                self.report.append(f"%{instr.name}: kept: sums over the batch and does not flow back into the "
+                                   f"examples (a gradient, a loss or a total)")
+                continue
+            reducer = instr.attrs.get("to_apply")
+            if (instr.opcode != "reduce" or instr.shape.is_tuple or instr.shape.dtype not in FLOAT_DTYPES
+                    or not isinstance(reducer, HloComputation) or reducer_opcode(reducer) != "add"
+                    or _constant_value(instr.operand(1)) != 0.0):
+                raise Refusal(f"%{instr.name} ({instr.opcode}) sums over the batch and flows back into the "
+                              f"examples, but is not a floating-point sum: not a statistic the pass can group")
+            sources[instr] = math.prod(instr.operand(0).shape.dims[d] for d in instr.attrs.get("dimensions", ()))
+            if "direct" in how:
+                sums.append(_BatchSum(instr, sources[instr]))
+        for instr in comp.instructions:   # the partitioner's sums over the whole batch: all-reduces over the axis
+            if instr.opcode == "all-reduce" and self._over_axis(instr) and any(
+                    _reaches(o, info, set()) for o in instr.operands if o in sources):
+                raise Refusal(f"%{instr.name} sums statistics over the whole batch axis (batch norm of a jit program "
+                              f"with a sharded batch, or with axis_name): regrouping synchronized statistics is not "
+                              f"supported; the pass groups per-device statistics (a shard_map step)")
+        if not sums:
+            return _Plan(self, [], [], target.groups, target.mode, len(target.groups[0]))
+        _check_means(comp, info, sources)
+        return _Plan(self, [], [], target.groups, target.mode, len(target.groups[0]), sums)
+
+    def _over_axis(self, all_reduce: HloInstruction) -> bool:
+        """Whether every group of `all_reduce` holds a whole line of the batch axis."""
+        groups = all_reduce.attrs.get("replica_groups")
+        return (isinstance(groups, ReplicaGroups) and bool(groups.groups)
+                and all(any(line <= set(g) for line in self._axis) for g in groups.groups))
 
     def _statistic(self, reduce: HloInstruction, info: dict) -> _Statistic | None:
         """The statistic `reduce` computes, or None (with a report line when it sums over the batch)."""
@@ -351,20 +478,28 @@ class _Plan:
     groups: list[list[int]]
     mode: str
     k: int
+    sums: list[_BatchSum] = dataclasses.field(default_factory=list)   # at JAX's hook
 
     def apply(self, module: HloModule, channel_ids: ChannelIds) -> bool:
-        if self.k == 1 or not self.statistics:
-            if self.statistics:
+        found = self.statistics or self.sums
+        if self.k == 1 or not found:
+            if found:
                 self.owner.report.append("groups of one device: nothing to share")
             return False
         reducers: dict[str, HloComputation] = {}
-        for stat in self.statistics:
-            dtype = stat.reduce.shape.dtype
+        for reduce in [s.reduce for s in self.statistics] + [s.value for s in self.sums]:
+            dtype = reduce.shape.dtype
             if dtype not in reducers:
-                clone = module.clone_computation(stat.reduce.attrs["to_apply"], suffix="group_sum")
+                clone = module.clone_computation(reduce.attrs["to_apply"], suffix="group_sum")
                 module.remove_computation(clone)  # defined before the computation that calls it
-                reducers[dtype] = module.add_computation(clone, before=stat.reduce.parent)
+                reducers[dtype] = module.add_computation(clone, before=reduce.parent)
         where = _groups_text(self.groups)
+        for batch_sum in self.sums:
+            self._group_sum(batch_sum.value, reducers, channel_ids)
+            self.owner.report.append(
+                f"%{batch_sum.value.name}: a sum over the batch that flows back into the examples, read only as "
+                f"a mean (a statistic or its gradient): summed over {where}, count {batch_sum.count} -> "
+                f"{batch_sum.count * self.k}")
         for stat in self.statistics:
             self._group(stat.divide, stat.count, reducers, channel_ids)
             self.owner.report.append(
@@ -380,16 +515,38 @@ class _Plan:
                 f"%{grad.broadcast.name}): summed over {where}, divisor {grad.count} -> {grad.count * self.k}")
         return True
 
+    def _group_sum(self, value: HloInstruction, reducers, channel_ids: ChannelIds) -> None:
+        """Every reader of the device's sum reads the group's sum divided by k instead."""
+        comp = value.parent
+        users = list(value.users)
+        order = {instr: i for i, instr in enumerate(comp.instructions)}
+        first = min(users, key=order.__getitem__)
+        summed = self._all_reduce(value, self.groups, reducers, channel_ids, first)
+        scalar = Shape.array(value.shape.dtype, ())
+        factor = comp.add_instruction("constant", (), scalar, name=f"{value.name}.share", before=first,
+                                      literal=Literal.parse(scalar, repr(1 / self.k)))
+        factors = factor if not value.shape.dims else comp.add_instruction(
+            "broadcast", [factor], value.shape, name=f"{value.name}.shares", attrs={"dimensions": ()},
+            before=first)
+        scaled = comp.add_instruction("multiply", [summed, factors], value.shape, name=f"{value.name}.group_mean",
+                                      before=first)
+        for user in users:
+            user.replace_operand_with(value, scaled)
+
+    def _all_reduce(self, value: HloInstruction, groups, reducers, channel_ids: ChannelIds,
+                    before: HloInstruction) -> HloInstruction:
+        attrs = {"replica_groups": ReplicaGroups.of(groups)}
+        if self.mode == "devices":
+            attrs = {"channel_id": channel_ids.fresh(), **attrs, "use_global_device_ids": True}
+        attrs["to_apply"] = reducers[value.shape.dtype]
+        return value.parent.add_instruction("all-reduce", [value], value.shape, name=f"{value.name}.group",
+                                            attrs=attrs, before=before)
+
     def _group(self, divide: HloInstruction, count: int, reducers, channel_ids: ChannelIds) -> None:
         """`divide(n, count)` -> `divide(all-reduce(n) over the groups, count * k)`, for every user."""
         comp = divide.parent
         numerator = divide.operand(0)
-        attrs = {"replica_groups": ReplicaGroups.of(self.groups)}
-        if self.mode == "devices":
-            attrs = {"channel_id": channel_ids.fresh(), **attrs, "use_global_device_ids": True}
-        attrs["to_apply"] = reducers[numerator.shape.dtype]
-        summed = comp.add_instruction("all-reduce", [numerator], numerator.shape, name=f"{numerator.name}.group",
-                                      attrs=attrs, before=divide)
+        summed = self._all_reduce(numerator, self.groups, reducers, channel_ids, divide)
         scalar = Shape.array(divide.shape.dtype, ())
         total = count * self.k
         value = str(total) if divide.opcode == "divide" else repr(float(np.array(1.0 / total, dtype=np.float64)))
@@ -403,7 +560,6 @@ class _Plan:
         divide.replace_all_uses_with(new)
         comp.remove_instruction(divide)
         new.rename(divide.name)
-
 
 # -- the batch dimension of every value ----------------------------------------------------------------
 
@@ -622,6 +778,11 @@ def _gather(instr: HloInstruction, ins: list):
                           if d not in collapsed and d not in operand_batching]
                 found.add(offset[window.index(x)])
                 continue
+            elif a.get("slice_sizes", ())[x] == 1 and x in a.get("start_index_map", ()):
+                # XLA's form of a batched gather: the index of the batch is an iota along the indices' batch
+                x = _iota_dimension(instr.operand(1), a["start_index_map"].index(x), vector_dim)
+                if x is None:
+                    return OPAQUE
             else:
                 return OPAQUE
         if x not in indices_dims:
@@ -647,6 +808,7 @@ def _scatter(instr: HloInstruction, ins: list):
         found.add(operand)
     operand_window = [d for d in range(rank) if d not in inserted and d not in input_batching]
     indices_dims = [d for d in range(instr.operand(1).shape.rank) if d != vector_dim]
+    to_operand = tuple(a.get("scatter_dims_to_operand_dims", ()))
     update_scatter = [d for d in range(instr.operand(2).shape.rank) if d not in window_dims]
     for x, is_updates in ((updates, True), (indices, False)):
         if x is None:
@@ -658,10 +820,50 @@ def _scatter(instr: HloInstruction, ins: list):
                 found.add(operand_window[window_dims.index(x)])
                 continue
             x = indices_dims[update_scatter.index(x)]
-        if x not in indices_batching:
+        if x in indices_batching:
+            found.add(input_batching[indices_batching.index(x)])
+        elif isinstance(operand, int) and operand in to_operand and _iota_dimension(
+                instr.operand(1), to_operand.index(operand), vector_dim) == x:
+            found.add(operand)  # XLA's form of a batched scatter: the batch's index is an iota along x
+        else:
             return OPAQUE
-        found.add(input_batching[indices_batching.index(x)])
     return _agree(found)
+
+
+def _iota_dimension(indices: HloInstruction, component: int, vector_dim: int) -> int | None:
+    """The dimension of `indices` along which component `component` of the index vectors counts
+    0, 1, 2, ... (an iota concatenated with the other components), or None."""
+    vectors = indices
+    while vectors.opcode in _UNIT_SHAPE_OPS and _is_unit_reshape(vectors):
+        vectors = vectors.operand(0)
+    if vectors.opcode != "concatenate" or vector_dim >= indices.shape.rank:
+        return None
+    outer = [d for d, n in enumerate(indices.shape.dims) if n != 1]
+    inner = [d for d, n in enumerate(vectors.shape.dims) if n != 1]
+    along = vectors.attrs["dimensions"][0]
+    if len(outer) != len(inner) or vector_dim not in outer or along not in inner \
+            or inner.index(along) != outer.index(vector_dim):
+        return None
+    start = 0
+    for piece in vectors.operands:
+        size = piece.shape.dims[along]
+        if start <= component < start + size:
+            break
+        start += size
+    else:
+        return None
+    if size != 1:
+        return None
+    while piece.opcode == "convert" or piece.opcode in _UNIT_SHAPE_OPS and _is_unit_reshape(piece):
+        piece = piece.operand(0)
+    if piece.opcode == "iota" and piece.shape.rank == vectors.shape.rank:
+        counting = piece.attrs["iota_dimension"]
+    elif (piece.opcode == "broadcast" and piece.shape.rank == vectors.shape.rank
+          and piece.operand(0).opcode == "iota" and piece.operand(0).shape.rank == 1):
+        counting = piece.attrs["dimensions"][0]
+    else:
+        return None
+    return outer[inner.index(counting)] if counting in inner else None
 
 
 # -- patterns ------------------------------------------------------------------------------------------
@@ -744,7 +946,7 @@ def _reaches(value: HloInstruction, info: dict, stops: set) -> set[str]:
             if user in stops or (user, now) in seen:
                 continue
             seen.add((user, now))
-            if user.opcode == "tuple":   # follow the element to its get-tuple-elements
+            if user.shape.is_tuple and user.opcode in ("tuple", "all-reduce"):  # follow the element alone
                 indices = {i for i, o in enumerate(user.operands) if o is current}
                 for reader in user.users:
                     if reader.opcode == "get-tuple-element" and reader.attrs["index"] in indices:
@@ -758,6 +960,82 @@ def _reaches(value: HloInstruction, info: dict, stops: set) -> set[str]:
                 continue
             stack.append((user, now))
     return found
+
+
+_SAME_DEGREE = frozenset({"add", "subtract", "maximum", "minimum", "clamp"})
+_PASS_THROUGH = frozenset({"negate", "abs", "convert", "copy", "bitcast", "reshape", "broadcast", "transpose",
+                           "slice", "get-tuple-element", "reduce"})
+
+
+def _check_means(comp: HloComputation, info: dict, sources: dict[HloInstruction, int]) -> None:
+    """Prove that the examples read each sum only as a mean: every value that carries a sum into a
+    per-example instruction has degree 0 in the count, where a sum has degree 1 and a constant c with
+    c * count a small integer (1/count, 2/count, ...) has degree -1. Then the group's sum divided by
+    k in place of the sum gives the group's statistics (and their gradients) exactly."""
+    count_of = dict(sources)
+
+    memo: dict[HloInstruction, tuple[Fraction, int] | None] = {}
+
+    def constant_degree(instr: HloInstruction, count: int) -> Fraction:
+        value = _constant_value(instr)
+        if value is None:
+            return Fraction(0)
+        m = value * count
+        return Fraction(-1) if value and abs(m - round(m)) <= 1e-4 * max(1.0, abs(m)) and 1 <= abs(round(m)) <= 8 \
+            else Fraction(0)
+
+    def degree(instr: HloInstruction) -> tuple[Fraction, int] | None:
+        """(degree, count) of a value the sums reach; None for one they do not."""
+        if instr in count_of:
+            return Fraction(1), count_of[instr]
+        if instr in memo:
+            return memo[instr]
+        memo[instr] = None   # cycles cannot occur; this also stops a revisit
+        ins = [degree(o) for o in instr.operands]
+        reached = [d for d in ins if d is not None]
+        if not reached:
+            return None
+        counts = {c for _, c in reached}
+        if len(counts) != 1:
+            raise Refusal(f"%{instr.name} combines sums of different counts {sorted(counts)} before the examples "
+                          f"read them: not a batch statistic the pass can prove")
+        count = counts.pop()
+        op = instr.opcode
+        known = [d[0] if d is not None else (constant_degree(o, count) if op in ("multiply", "divide") else Fraction(0))
+                 for d, o in zip(ins, instr.operands)]
+        if op in _PASS_THROUGH or op == "all-reduce" and _over_single_devices(instr):
+            result = known[0]
+        elif op in _SAME_DEGREE or op == "select":
+            values = set(known[1:] if op == "select" else known)
+            if len(values) != 1:
+                raise Refusal(f"%{instr.name} ({op}) mixes a sum over the batch with values of another degree in "
+                              f"the count: not a mean the pass can prove")
+            result = values.pop()
+        elif op == "compare":
+            result = Fraction(0)
+        elif op == "multiply":
+            result = known[0] + known[1]
+        elif op == "divide":
+            result = known[0] - known[1]
+        elif op in ("rsqrt", "sqrt"):
+            result = known[0] * (Fraction(-1, 2) if op == "rsqrt" else Fraction(1, 2))
+        elif all(d == 0 for d in known):
+            result = Fraction(0)
+        else:
+            raise Refusal(f"%{instr.name} ({op}) takes a sum over the batch that is not yet a mean: the pass "
+                          f"cannot prove the examples read it as a statistic")
+        memo[instr] = (result, count)
+        return memo[instr]
+
+    for instr in comp.instructions:
+        if _none(info.get(instr)):
+            continue
+        for operand in instr.operands:
+            if _none(info.get(operand)):
+                found = degree(operand)
+                if found is not None and found[0] != 0:
+                    raise Refusal(f"%{operand.name} carries a sum over the batch into %{instr.name} with degree "
+                                  f"{found[0]} in the count {found[1]}: not a mean, so the pass cannot group it")
 
 
 def _over_single_devices(all_reduce: HloInstruction) -> bool:
@@ -800,6 +1078,14 @@ def _gradient(broadcast: HloInstruction, means: set, signatures: set) -> _Gradie
         if _divides_by(value, value.operand(0), count):
             return _Gradient(value, broadcast, (shape, reduced, count), count)
     return None
+
+
+def _axis_lines(coordinates: dict[int, tuple], axis: int) -> list[list[int]]:
+    """The devices along mesh dimension `axis`, in order, one line per position on the other dimensions."""
+    lines: dict[tuple, dict[int, int]] = {}
+    for device, coords in coordinates.items():
+        lines.setdefault(tuple(coords[:axis]) + tuple(coords[axis + 1:]), {})[coords[axis]] = device
+    return [[line[p] for p in sorted(line)] for _, line in sorted(lines.items())]
 
 
 def _parse_groups(text: str) -> list[list[int]]:
