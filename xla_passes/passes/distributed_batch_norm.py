@@ -112,6 +112,7 @@ class _BatchSum:
     """At JAX's hook: a sum over the batch that flows back into the examples."""
     value: HloInstruction    # the device's own sum
     count: int               # the elements `value` sums
+    backward: bool           # a sum of JAX's backward pass: only its way back into the examples is grouped
 
 
 @dataclasses.dataclass
@@ -405,7 +406,7 @@ class DistributedBatchNorm(HloPass):
                               f"examples, but is not a floating-point sum: not a statistic the pass can group")
             sources[instr] = math.prod(instr.operand(0).shape.dims[d] for d in instr.attrs.get("dimensions", ()))
             if "direct" in how:
-                sums.append(_BatchSum(instr, sources[instr]))
+                sums.append(_BatchSum(instr, sources[instr], _is_backward(instr)))
         for instr in comp.instructions:   # the partitioner's sums over the whole batch: all-reduces over the axis
             if instr.opcode == "all-reduce" and self._over_axis(instr) and any(
                     _reaches(o, info, set()) for o in instr.operands if o in sources):
@@ -415,7 +416,7 @@ class DistributedBatchNorm(HloPass):
         if not sums:
             return _Plan(self, [], [], target.groups, target.mode, len(target.groups[0]))
         _check_means(comp, info, sources)
-        return _Plan(self, [], [], target.groups, target.mode, len(target.groups[0]), sums)
+        return _Plan(self, [], [], target.groups, target.mode, len(target.groups[0]), sums, info)
 
     def _over_axis(self, all_reduce: HloInstruction) -> bool:
         """Whether every group of `all_reduce` holds a whole line of the batch axis."""
@@ -479,6 +480,7 @@ class _Plan:
     mode: str
     k: int
     sums: list[_BatchSum] = dataclasses.field(default_factory=list)   # at JAX's hook
+    info: dict = dataclasses.field(default_factory=dict)              # the batch dimensions, at JAX's hook
 
     def apply(self, module: HloModule, channel_ids: ChannelIds) -> bool:
         found = self.statistics or self.sums
@@ -495,9 +497,10 @@ class _Plan:
                 reducers[dtype] = module.add_computation(clone, before=reduce.parent)
         where = _groups_text(self.groups)
         for batch_sum in self.sums:
-            self._group_sum(batch_sum.value, reducers, channel_ids)
+            self._group_sum(batch_sum, reducers, channel_ids)
             self.owner.report.append(
-                f"%{batch_sum.value.name}: a sum over the batch that flows back into the examples, read only as "
+                f"%{batch_sum.value.name}: a {'backward ' if batch_sum.backward else ''}sum over the batch that "
+                f"flows back into the examples, read only as "
                 f"a mean (a statistic or its gradient): summed over {where}, count {batch_sum.count} -> "
                 f"{batch_sum.count * self.k}")
         for stat in self.statistics:
@@ -515,12 +518,16 @@ class _Plan:
                 f"%{grad.broadcast.name}): summed over {where}, divisor {grad.count} -> {grad.count * self.k}")
         return True
 
-    def _group_sum(self, value: HloInstruction, reducers, channel_ids: ChannelIds) -> None:
-        """Every reader of the device's sum reads the group's sum divided by k instead."""
+    def _group_sum(self, batch_sum: _BatchSum, reducers, channel_ids: ChannelIds) -> None:
+        """Readers of the device's sum read the group's sum divided by k instead: every reader of a
+        statistic (the forward pass), as JAX's grouped batch norm does. A backward sum may also make a
+        parameter's gradient (`sum(dy * (x - mean))` gives the scale's gradient and the variance's
+        cotangent): the values that carry it back into the examples are computed a second time from
+        the group's sum, and the parameter's gradient keeps the device's own."""
+        value = batch_sum.value
         comp = value.parent
-        users = list(value.users)
         order = {instr: i for i, instr in enumerate(comp.instructions)}
-        first = min(users, key=order.__getitem__)
+        first = min(value.users, key=order.__getitem__)
         summed = self._all_reduce(value, self.groups, reducers, channel_ids, first)
         scalar = Shape.array(value.shape.dtype, ())
         factor = comp.add_instruction("constant", (), scalar, name=f"{value.name}.share", before=first,
@@ -530,8 +537,21 @@ class _Plan:
             before=first)
         scaled = comp.add_instruction("multiply", [summed, factors], value.shape, name=f"{value.name}.group_mean",
                                       before=first)
-        for user in users:
-            user.replace_operand_with(value, scaled)
+        if not batch_sum.backward:
+            for user in [u for u in value.users if u is not summed]:
+                user.replace_operand_with(value, scaled)
+            return
+        per_example = lambda instr: not _none(self.info.get(instr))  # noqa: E731
+        copies = {value: scaled}
+        for instr in sorted(_ways_back(value, per_example), key=order.__getitem__):
+            copies[instr] = comp.add_instruction(
+                instr.opcode, [copies.get(o, o) for o in instr.operands], instr.shape, name=f"{instr.name}.group",
+                attrs={key: v for key, v in instr.attrs.items() if key != "control-predecessors"},
+                literal=instr.literal, after=instr)
+        for instr in list(copies):
+            for user in list(instr.users):
+                if per_example(user):
+                    user.replace_operand_with(instr, copies[instr])
 
     def _all_reduce(self, value: HloInstruction, groups, reducers, channel_ids: ChannelIds,
                     before: HloInstruction) -> HloInstruction:
@@ -569,9 +589,14 @@ class _BatchDims:
 
     def __init__(self, module: HloModule):
         self.module = module
+        self.batch_size: int | None = None   # the examples on one device; 0 when the batch operands disagree
         self._calls: dict[tuple, object] = {}
 
     def analyse(self, comp: HloComputation, params: dict[int, int]) -> dict:
+        if self.batch_size is None and params:
+            sizes = {comp.parameter(n).shape.dims[d] for n, d in params.items()
+                     if n < comp.num_parameters and comp.parameter(n).shape.is_array}
+            self.batch_size = sizes.pop() if len(sizes) == 1 else 0
         info: dict = {}
         for instr in comp.post_order():
             info[instr] = self._of(instr, info, params)
@@ -589,6 +614,8 @@ class _BatchDims:
             return tup[instr.attrs["index"]] if isinstance(tup, tuple) else OPAQUE
         if op == "tuple":
             return tuple(ins)
+        if op == "all-reduce" and instr.shape.is_tuple:   # XLA's combined all-reduces: element by element
+            return tuple(ins)
         if op in ELEMENTWISE or op in ("all-reduce", "copy", "opt-barrier") and not instr.shape.is_tuple:
             known = {x for x in ins if x is not None}
             return known.pop() if len(known) == 1 else OPAQUE
@@ -596,7 +623,7 @@ class _BatchDims:
             b = ins[0]
             return instr.attrs["dimensions"][b] if isinstance(b, int) and b >= 0 else OPAQUE
         if op in _UNIT_SHAPE_OPS:
-            return _reshaped(ins[0], instr.operand(0).shape.dims, instr.shape.dims)
+            return _reshaped(ins[0], instr.operand(0).shape.dims, instr.shape.dims, self.batch_size)
         if op == "transpose":
             b = ins[0]
             return list(instr.attrs["dimensions"]).index(b) if isinstance(b, int) and b >= 0 else OPAQUE
@@ -615,9 +642,9 @@ class _BatchDims:
         if op in _BATCH_PRESERVING:
             return _preserving(instr, ins)
         if op == "gather":
-            return _gather(instr, ins)
+            return _gather(instr, ins, self.batch_size)
         if op == "scatter" and instr.operand_count == 3:
-            return _scatter(instr, ins)
+            return _scatter(instr, ins, self.batch_size)
         if instr.shape.is_tuple:
             return tuple(OPAQUE for _ in instr.shape.tuple_shapes)
         return OPAQUE
@@ -651,20 +678,34 @@ def _reduces_batch(reduce: HloInstruction, info: dict) -> bool:
     return b == OPAQUE or (isinstance(b, int) and b in tuple(reduce.attrs.get("dimensions", ())))
 
 
-def _reshaped(b, before: tuple, after: tuple):
-    """The batch dim `b` of `before` in the reshaped `after`, when the reshape keeps it whole."""
+def _reshaped(b, before: tuple, after: tuple, batch_size: int | None = None):
+    """The batch dim `b` of `before` in the reshaped `after`: the dimension whose major part the
+    examples are. A batch dimension holds the examples whole, or (XLA's layout bitcasts, such as
+    `[2,4,4,8] -> [32,8]`) merged with minor dimensions; a reshape that splits the examples is OPAQUE."""
     if not isinstance(b, int) or b < 0:
         return OPAQUE
-    leading = math.prod(before[:b])
-    product = 1
-    for j, size in enumerate(after):
-        if product == leading and size == before[b]:
-            # the dims after b must start at the same boundary: true when the prefix products agree
-            return j
-        product *= size
-        if product > leading:
-            break
-    return OPAQUE
+    leading, product, j = math.prod(before[:b]), 1, 0
+    while j < len(after) and product < leading:
+        product *= after[j]
+        j += 1
+    size = before[b]
+    while j < len(after) and after[j] == 1 and size != 1:
+        j += 1
+    if product != leading or j >= len(after):
+        return OPAQUE
+    if after[j] == size:
+        return j
+    if not batch_size:
+        return OPAQUE
+    if after[j] > size:   # merged with the dimensions after it
+        merged = size
+        for m in range(b + 1, len(before)):
+            merged *= before[m]
+            if merged == after[j]:
+                return j
+        return OPAQUE
+    # split: the examples stay in the major part when it is a whole number of examples
+    return j if after[j] % batch_size == 0 and size % after[j] == 0 and size % batch_size == 0 else OPAQUE
 
 
 def _convolution(instr: HloInstruction, ins: list):
@@ -721,6 +762,10 @@ _BATCH_PRESERVING = frozenset({"slice", "pad", "dynamic-slice", "dynamic-update-
 
 def _preserving(instr: HloInstruction, ins: list):
     """Ops that keep every example where it is when they leave the batch dimension alone."""
+    if instr.opcode == "reduce-window" and instr.shape.is_tuple:   # variadic (a max pool with its argmax)
+        arrays = len(instr.shape.tuple_shapes)
+        element = _preserving_window(instr, ins[:arrays], instr.operand(0))
+        return tuple(element for _ in range(arrays))
     known = {x for x in ins if x is not None}
     if len(known) != 1 or instr.shape.is_tuple:
         return OPAQUE
@@ -731,12 +776,8 @@ def _preserving(instr: HloInstruction, ins: list):
     if b >= instr.shape.rank or instr.shape.dims[b] != source.shape.dims[b]:
         return OPAQUE
     op, attrs = instr.opcode, instr.attrs
-    if op in ("reduce-window", "select-and-scatter"):
-        window = attrs.get("window")
-        dims = getattr(window, "dimensions", None)
-        if not dims or len(dims) <= b or (dims[b].size, dims[b].stride, dims[b].padding_low, dims[b].padding_high,
-                                          dims[b].window_dilation, dims[b].base_dilation) != (1, 1, 0, 0, 1, 1):
-            return OPAQUE
+    if op in ("reduce-window", "select-and-scatter") and _window_touches(instr, b):
+        return OPAQUE
     if op == "reverse" and b in tuple(attrs.get("dimensions", ())):
         return OPAQUE
     if op == "concatenate" and b in tuple(attrs.get("dimensions", ())):
@@ -748,11 +789,28 @@ def _preserving(instr: HloInstruction, ins: list):
     return b
 
 
+def _window_touches(instr: HloInstruction, b: int) -> bool:
+    """Whether the window of a reduce-window or select-and-scatter moves along dimension `b`."""
+    dims = getattr(instr.attrs.get("window"), "dimensions", None)
+    return not dims or len(dims) <= b or (dims[b].size, dims[b].stride, dims[b].padding_low, dims[b].padding_high,
+                                          dims[b].window_dilation, dims[b].base_dilation) != (1, 1, 0, 0, 1, 1)
+
+
+def _preserving_window(instr: HloInstruction, ins: list, source: HloInstruction):
+    known = {x for x in ins if x is not None}
+    if len(known) != 1:
+        return None if not known else OPAQUE
+    b = known.pop()
+    if not isinstance(b, int) or b < 0 or _window_touches(instr, b):
+        return OPAQUE
+    return b if instr.shape.tuple_shapes[0].dims[b] == source.shape.dims[b] else OPAQUE
+
+
 def _agree(found: set):
     return found.pop() if len(found) == 1 else OPAQUE
 
 
-def _gather(instr: HloInstruction, ins: list):
+def _gather(instr: HloInstruction, ins: list, batch_size):
     """Gather: the batch of the indices (or of an operand dimension batched with them, or sliced whole)."""
     a = instr.attrs
     operand, indices = ins
@@ -780,7 +838,7 @@ def _gather(instr: HloInstruction, ins: list):
                 continue
             elif a.get("slice_sizes", ())[x] == 1 and x in a.get("start_index_map", ()):
                 # XLA's form of a batched gather: the index of the batch is an iota along the indices' batch
-                x = _iota_dimension(instr.operand(1), a["start_index_map"].index(x), vector_dim)
+                x = _coordinate_dimension(instr.operand(1), a["start_index_map"].index(x), vector_dim, batch_size)
                 if x is None:
                     return OPAQUE
             else:
@@ -791,7 +849,7 @@ def _gather(instr: HloInstruction, ins: list):
     return _agree(found)
 
 
-def _scatter(instr: HloInstruction, ins: list):
+def _scatter(instr: HloInstruction, ins: list, batch_size):
     """Scatter: the operand's batch, or the updates' batch where it is a window or batching dimension."""
     a = instr.attrs
     operand, indices, updates = ins
@@ -822,28 +880,34 @@ def _scatter(instr: HloInstruction, ins: list):
             x = indices_dims[update_scatter.index(x)]
         if x in indices_batching:
             found.add(input_batching[indices_batching.index(x)])
-        elif isinstance(operand, int) and operand in to_operand and _iota_dimension(
-                instr.operand(1), to_operand.index(operand), vector_dim) == x:
-            found.add(operand)  # XLA's form of a batched scatter: the batch's index is an iota along x
-        else:
-            return OPAQUE
+        else:   # XLA's form of a batched scatter: an index component is each row's example number
+            targets = [to_operand[c] for c in range(len(to_operand)) if _coordinate_dimension(
+                instr.operand(1), c, vector_dim, batch_size) == x and instr.shape.dims[to_operand[c]] == batch_size
+                and _window_extent(instr, to_operand[c], operand_window, window_dims) == 1]
+            if len(targets) != 1:
+                return OPAQUE
+            found.add(targets[0])
     return _agree(found)
 
 
-def _iota_dimension(indices: HloInstruction, component: int, vector_dim: int) -> int | None:
-    """The dimension of `indices` along which component `component` of the index vectors counts
-    0, 1, 2, ... (an iota concatenated with the other components), or None."""
-    vectors = indices
-    while vectors.opcode in _UNIT_SHAPE_OPS and _is_unit_reshape(vectors):
-        vectors = vectors.operand(0)
+def _window_extent(scatter: HloInstruction, dim: int, operand_window: list, window_dims: tuple) -> int:
+    """How many positions along operand dimension `dim` each update of `scatter` writes."""
+    if dim not in operand_window:
+        return 1
+    return scatter.operand(2).shape.dims[window_dims[operand_window.index(dim)]]
+
+
+def _coordinate_dimension(indices: HloInstruction, component: int, vector_dim: int, batch_size) -> int | None:
+    """The dimension of `indices` along which component `component` of the index vectors is each
+    row's example number (an iota over the batch, concatenated with the other components), or None.
+    XLA writes batched gathers and scatters, and max pooling's backward pass, this way."""
+    chain = [indices]
+    while chain[-1].opcode in _UNIT_SHAPE_OPS:
+        chain.append(chain[-1].operand(0))
+    vectors = chain.pop()
     if vectors.opcode != "concatenate" or vector_dim >= indices.shape.rank:
         return None
-    outer = [d for d, n in enumerate(indices.shape.dims) if n != 1]
-    inner = [d for d, n in enumerate(vectors.shape.dims) if n != 1]
     along = vectors.attrs["dimensions"][0]
-    if len(outer) != len(inner) or vector_dim not in outer or along not in inner \
-            or inner.index(along) != outer.index(vector_dim):
-        return None
     start = 0
     for piece in vectors.operands:
         size = piece.shape.dims[along]
@@ -852,18 +916,40 @@ def _iota_dimension(indices: HloInstruction, component: int, vector_dim: int) ->
         start += size
     else:
         return None
-    if size != 1:
+    counting = _counting_dimension(piece, batch_size) if size == 1 else None
+    if counting is None or counting == along:
         return None
-    while piece.opcode == "convert" or piece.opcode in _UNIT_SHAPE_OPS and _is_unit_reshape(piece):
-        piece = piece.operand(0)
-    if piece.opcode == "iota" and piece.shape.rank == vectors.shape.rank:
-        counting = piece.attrs["iota_dimension"]
-    elif (piece.opcode == "broadcast" and piece.shape.rank == vectors.shape.rank
-          and piece.operand(0).opcode == "iota" and piece.operand(0).shape.rank == 1):
-        counting = piece.attrs["dimensions"][0]
-    else:
-        return None
-    return outer[inner.index(counting)] if counting in inner else None
+    for before, after in zip([vectors] + chain[::-1], chain[::-1] + [indices]):
+        if before is after:
+            continue
+        along = _reshaped(along, before.shape.dims, after.shape.dims)
+        counting = _reshaped(counting, before.shape.dims, after.shape.dims, batch_size)
+        if along == OPAQUE or counting == OPAQUE:
+            return None
+    return counting if along == vector_dim else None
+
+
+def _counting_dimension(value: HloInstruction, batch_size) -> int | None:
+    """The dimension along which `value` holds the example number of each position: an iota over a
+    dimension of the batch's size, carried through converts, reshapes and pooling windows."""
+    if value.opcode in ("convert", "copy"):
+        return _counting_dimension(value.operand(0), batch_size)
+    if value.opcode in _UNIT_SHAPE_OPS:
+        inner = _counting_dimension(value.operand(0), batch_size)
+        found = None if inner is None else _reshaped(inner, value.operand(0).shape.dims, value.shape.dims, batch_size)
+        return None if found in (None, OPAQUE) else found
+    if value.opcode == "iota":
+        d = value.attrs["iota_dimension"]
+        return d if value.shape.dims[d] == batch_size else None
+    if value.opcode == "broadcast" and value.operand(0).opcode == "iota" and value.operand(0).shape.rank == 1:
+        d = value.attrs["dimensions"][0]
+        return d if value.shape.dims[d] == batch_size else None
+    if value.opcode == "get-tuple-element" and value.operand(0).opcode == "reduce-window":
+        window = value.operand(0)   # a variadic reduce-window picks whole positions of its inputs
+        inner = _counting_dimension(window.operand(value.attrs["index"]), batch_size)
+        if inner is not None and not _window_touches(window, inner):
+            return inner
+    return None
 
 
 # -- patterns ------------------------------------------------------------------------------------------
@@ -964,33 +1050,32 @@ def _reaches(value: HloInstruction, info: dict, stops: set) -> set[str]:
 
 _SAME_DEGREE = frozenset({"add", "subtract", "maximum", "minimum", "clamp"})
 _PASS_THROUGH = frozenset({"negate", "abs", "convert", "copy", "bitcast", "reshape", "broadcast", "transpose",
-                           "slice", "get-tuple-element", "reduce"})
+                           "slice", "get-tuple-element", "reduce", "concatenate", "pad"})
+_POWERS = {"rsqrt": Fraction(-1, 2), "sqrt": Fraction(1, 2)}
 
 
 def _check_means(comp: HloComputation, info: dict, sources: dict[HloInstruction, int]) -> None:
-    """Prove that the examples read each sum only as a mean: every value that carries a sum into a
-    per-example instruction has degree 0 in the count, where a sum has degree 1 and a constant c with
-    c * count a small integer (1/count, 2/count, ...) has degree -1. Then the group's sum divided by
-    k in place of the sum gives the group's statistics (and their gradients) exactly."""
-    count_of = dict(sources)
+    """Prove that the examples read each sum over the batch only as a mean.
 
-    memo: dict[HloInstruction, tuple[Fraction, int] | None] = {}
+    Count degrees in the count n (dimensional analysis with n as the unit): a sum has degree 1, a
+    divide by n or a multiply by 1/n degree -1; every value that carries a sum into a per-example
+    instruction must have degree 0 (a mean, a variance, `rsqrt(var + eps)`, the gradient through
+    them), and whatever is added, subtracted or selected together must agree. Then the group's sum
+    divided by k in place of each sum gives the group's statistics, and their gradients, exactly.
+    XLA has folded the 1/n into other constants (`2/n`, `0.1/n`): a constant c with c * n a small
+    integer may be either a number or m/n, so each such constant is an unknown, 0 or -1, and the
+    constraints are solved as a linear system; no consistent choice refuses the module."""
+    system = _DegreeSystem()
+    memo: dict[HloInstruction, tuple | None] = {}
 
-    def constant_degree(instr: HloInstruction, count: int) -> Fraction:
-        value = _constant_value(instr)
-        if value is None:
-            return Fraction(0)
-        m = value * count
-        return Fraction(-1) if value and abs(m - round(m)) <= 1e-4 * max(1.0, abs(m)) and 1 <= abs(round(m)) <= 8 \
-            else Fraction(0)
-
-    def degree(instr: HloInstruction) -> tuple[Fraction, int] | None:
-        """(degree, count) of a value the sums reach; None for one they do not."""
-        if instr in count_of:
-            return Fraction(1), count_of[instr]
+    def degree(instr: HloInstruction):
+        """(degree, count) of a value the sums reach, the degree a `_DegreeSystem` expression; None
+        for a value they do not reach."""
+        if instr in sources:
+            return system.number(1), sources[instr]
         if instr in memo:
             return memo[instr]
-        memo[instr] = None   # cycles cannot occur; this also stops a revisit
+        memo[instr] = None   # HLO has no cycles; this also stops a revisit
         ins = [degree(o) for o in instr.operands]
         reached = [d for d in ins if d is not None]
         if not reached:
@@ -1001,29 +1086,34 @@ def _check_means(comp: HloComputation, info: dict, sources: dict[HloInstruction,
                           f"read them: not a batch statistic the pass can prove")
         count = counts.pop()
         op = instr.opcode
-        known = [d[0] if d is not None else (constant_degree(o, count) if op in ("multiply", "divide") else Fraction(0))
-                 for d, o in zip(ins, instr.operands)]
+        known = [d[0] if d is not None else (system.constant(o, count) if op in ("multiply", "divide")
+                                             else system.number(0)) for d, o in zip(ins, instr.operands)]
+        # what is put side by side must agree; a zero is zero in any degree (padding, relu's max)
+        together = [d for d, o in zip(known, instr.operands) if _constant_value(o) != 0.0]
         if op in _PASS_THROUGH or op == "all-reduce" and _over_single_devices(instr):
+            if op in ("concatenate", "pad"):
+                for other in together[1:]:
+                    system.equal(together[0], other, instr)
             result = known[0]
         elif op in _SAME_DEGREE or op == "select":
-            values = set(known[1:] if op == "select" else known)
-            if len(values) != 1:
-                raise Refusal(f"%{instr.name} ({op}) mixes a sum over the batch with values of another degree in "
-                              f"the count: not a mean the pass can prove")
-            result = values.pop()
+            values = [d for d, o in zip(known, instr.operands) if _constant_value(o) != 0.0
+                      and (op != "select" or o is not instr.operand(0))]
+            for other in values[1:]:
+                system.equal(values[0], other, instr)
+            result = values[0] if values else known[-1]
         elif op == "compare":
-            result = Fraction(0)
+            system.equal(known[0], known[1], instr)
+            result = system.number(0)
         elif op == "multiply":
-            result = known[0] + known[1]
+            result = system.add(known[0], known[1])
         elif op == "divide":
-            result = known[0] - known[1]
-        elif op in ("rsqrt", "sqrt"):
-            result = known[0] * (Fraction(-1, 2) if op == "rsqrt" else Fraction(1, 2))
-        elif all(d == 0 for d in known):
-            result = Fraction(0)
+            result = system.add(known[0], system.scale(known[1], -1))
+        elif op in _POWERS:
+            result = system.scale(known[0], _POWERS[op])
         else:
-            raise Refusal(f"%{instr.name} ({op}) takes a sum over the batch that is not yet a mean: the pass "
-                          f"cannot prove the examples read it as a statistic")
+            for d in known:
+                system.equal(d, system.number(0), instr)
+            result = system.number(0)
         memo[instr] = (result, count)
         return memo[instr]
 
@@ -1033,9 +1123,110 @@ def _check_means(comp: HloComputation, info: dict, sources: dict[HloInstruction,
         for operand in instr.operands:
             if _none(info.get(operand)):
                 found = degree(operand)
-                if found is not None and found[0] != 0:
-                    raise Refusal(f"%{operand.name} carries a sum over the batch into %{instr.name} with degree "
-                                  f"{found[0]} in the count {found[1]}: not a mean, so the pass cannot group it")
+                if found is not None:
+                    system.equal(found[0], system.number(0), operand, into=instr)
+    system.solve()
+
+
+class _DegreeSystem:
+    """Linear constraints on degrees: an expression is {None: constant, unknown: coefficient}."""
+
+    def __init__(self):
+        self.equations: list[tuple[dict, HloInstruction, HloInstruction | None]] = []
+        self.unknowns = 0
+
+    @staticmethod
+    def number(value) -> dict:
+        return {None: Fraction(value)}
+
+    def constant(self, instr: HloInstruction, count: int) -> dict:
+        """0 for a number; an unknown (0 or -1) for a constant that may be m/count."""
+        value = _constant_value(instr)
+        m = value * count if value else 0.0
+        if not value or abs(m - round(m)) > 1e-4 * max(1.0, abs(m)) or not 1 <= abs(round(m)) <= 8:
+            return self.number(0)
+        self.unknowns += 1
+        return {None: Fraction(0), self.unknowns: Fraction(1)}
+
+    @staticmethod
+    def add(a: dict, b: dict) -> dict:
+        out = dict(a)
+        for key, value in b.items():
+            out[key] = out.get(key, Fraction(0)) + value
+        return out
+
+    @staticmethod
+    def scale(a: dict, factor) -> dict:
+        return {key: value * factor for key, value in a.items()}
+
+    def equal(self, a: dict, b: dict, where: HloInstruction, into: HloInstruction | None = None) -> None:
+        self.equations.append((self.add(a, self.scale(b, -1)), where, into))
+
+    def solve(self) -> None:
+        """Gaussian elimination; the unknowns left free are numbers (0). Refuse when the equations
+        contradict each other, or need an unknown other than 0 or -1."""
+        pivots: dict[int, dict] = {}   # unknown -> an equation solved for it
+
+        def reduced(row: dict) -> dict:
+            row = dict(row)
+            for unknown, pivot in pivots.items():
+                factor = row.get(unknown, Fraction(0))
+                if factor:
+                    row = self.add(row, self.scale(pivot, -factor))
+            return {k: v for k, v in row.items() if k is None or v}
+
+        for row, where, into in self.equations:
+            row = reduced(row)
+            unknowns = [k for k in row if k is not None]
+            if not unknowns:
+                if row.get(None, 0):
+                    raise Refusal(_degree_mismatch(where, into))
+                continue
+            unknown = unknowns[0]
+            row = self.scale(row, 1 / row[unknown])
+            for other in pivots:
+                factor = pivots[other].get(unknown, Fraction(0))
+                if factor:
+                    pivots[other] = {k: v for k, v in self.add(pivots[other], self.scale(row, -factor)).items()
+                                     if k is None or v}
+            pivots[unknown] = row
+        for row in pivots.values():
+            if -row.get(None, Fraction(0)) not in (0, -1):   # with the free unknowns 0
+                raise Refusal("the constants around a sum over the batch cannot all be read as numbers or as "
+                              "1/count: not a mean the pass can prove")
+
+
+def _degree_mismatch(where: HloInstruction, into: HloInstruction | None) -> str:
+    if into is not None:
+        return (f"%{where.name} carries a sum over the batch into %{into.name} without dividing it by its count "
+                f"(or divides it twice): not a mean, so the pass cannot group it")
+    return (f"%{where.name} ({where.opcode}) combines a sum over the batch with values of another degree in its "
+            f"count: not a mean the pass can prove")
+
+
+def _is_backward(instr: HloInstruction) -> bool:
+    """Whether JAX made `instr` in its backward pass, which it names `transpose(...)` in op_name."""
+    metadata = instr.attrs.get("metadata")
+    return metadata is not None and "transpose(" in str(dict(metadata.items).get("op_name", ""))
+
+
+def _ways_back(value: HloInstruction, per_example) -> set[HloInstruction]:
+    """The values without a batch dimension on a way from `value` into a per-example value."""
+    leads: dict[HloInstruction, bool] = {}
+
+    def leads_back(instr: HloInstruction) -> bool:
+        if instr not in leads:
+            leads[instr] = False   # no cycles in HLO; this stops a revisit
+            leads[instr] = any(per_example(u) or leads_back(u) for u in instr.users)
+        return leads[instr]
+
+    found, stack = set(), [value]
+    while stack:
+        for user in stack.pop().users:
+            if user not in found and not per_example(user) and leads_back(user):
+                found.add(user)
+                stack.append(user)
+    return found
 
 
 def _over_single_devices(all_reduce: HloInstruction) -> bool:
