@@ -472,23 +472,54 @@ def test_resnet_at_the_jax_hook_equals_jax_grouped_batch_norm():
     _assert_close(got, reference)
 
 
-def test_refuses_synchronized_statistics_at_the_jax_hook(caplog):
-    """jit with a sharded batch: XLA's partitioner already sums the statistics over every device;
-    the pass says it does not regroup them, and the step is XLA's own."""
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_jit_with_a_sharded_batch_at_the_jax_hook_equals_jax_grouped_batch_norm(optimizer):
+    """jit with NamedSharding: XLA's partitioner sums the statistics over every device. The pass
+    regroups them, and the values that leave the groups (gradients built from the statistics, the
+    moving averages) get the mean over the groups before the optimizer reads them, so that a
+    nonlinear optimizer (adam) updates with the grouped step's gradient."""
     mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
     model = ConvNet(axis_name=None)
+    tx = optax.sgd(0.1, momentum=0.9) if optimizer == "sgd" else optax.adam(1e-2)
 
-    def step(params, stats, images, labels):
+    def step(params, stats, opt_state, images, labels):
         def loss_fn(p):
             logits, updates = model.apply({"params": p, "batch_stats": stats}, images, mutable=["batch_stats"])
             return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), updates
-        return jax.value_and_grad(loss_fn, has_aux=True)(params)
+        (loss, updates), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        changes, opt_state = tx.update(grads, opt_state, params)
+        return loss, optax.apply_updates(params, changes), updates["batch_stats"], opt_state
 
+    params, stats = _variables()
+    args = (params, stats, tx.init(params), *_data(mesh, P("data")))
+    got = _at_the_hook(step, args)
+    # JAX's grouped batch norm: each group of 2 devices' statistics, gradients averaged over every
+    # device, and the moving averages averaged over the groups (each group has its own)
+    loss, grads, _, device_stats = grouped_reference(2)
+    changes, opt_state = tx.update(grads, args[2], params)
+    want = (loss, optax.apply_updates(params, changes), jax.tree.map(lambda a: a.mean(axis=0), device_stats),
+            opt_state)
+    for name, a, b in zip(("loss", "params", "batch stats", "optimizer state"), got, want):
+        worst = max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+                    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+        print(f"jit at the hook, {optimizer}, {name}: max abs difference {worst:.2e}")
+    _assert_close(got, want)
+    plain = jax.jit(step)(*args)
+    assert max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+               for x, y in zip(jax.tree.leaves(plain[1]), jax.tree.leaves(want[1]))) > 1e-3
+
+
+def test_refuses_statistics_synchronized_inside_a_shard_map(caplog):
+    """BatchNorm(axis_name="data") inside a shard_map: the statistics are already summed over the
+    axis and the step's outputs may be per device, so the pass does not regroup them; XLA's own step."""
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    step = jax.shard_map(_step(ConvNet(axis_name="data"), "data"), mesh=mesh,
+                         in_specs=(P(), P(), P("data"), P("data")), out_specs=(P(), P(), P("data"), P("data")),
+                         check_vma=False)
     args = (*_variables(), *_data(mesh, P("data")))
     with caplog.at_level("INFO", logger="xla_passes"):
         got = _at_the_hook(step, args)
-    plain = jax.jit(step)(*args)
-    _assert_close(got, plain)
+    _assert_close(got, jax.jit(step)(*args))
     assert any("unchanged" in r.getMessage() for r in caplog.records)
 
 

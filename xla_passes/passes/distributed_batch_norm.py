@@ -66,6 +66,7 @@ batch axis (a `jit` step with a sharded batch) are refused there.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from fractions import Fraction
@@ -110,9 +111,12 @@ class _Gradient:
 @dataclasses.dataclass
 class _BatchSum:
     """At JAX's hook: a sum over the batch that flows back into the examples."""
-    value: HloInstruction    # the device's own sum
+    value: HloInstruction    # what the program reads: the device's own sum, or its all-reduce over the batch axis
+    local: HloInstruction    # the device's own sum
     count: int               # the elements `value` sums
-    backward: bool           # a sum of JAX's backward pass: only its way back into the examples is grouped
+    backward: bool           # a sum of JAX's backward pass
+    reducer: HloComputation  # an add computation of its type
+    scale: int = 1           # the devices of the batch axis when `value` is all-reduced over it
 
 
 @dataclasses.dataclass
@@ -173,6 +177,7 @@ class DistributedBatchNorm(HloPass):
             changed |= plan.apply(module, channel_ids)
         if original is not None:
             if changed:
+                module.entry.remove_dead_code()   # the partitioner's all-reduces the groups' sums replace
                 wrap_in_fusions(module.entry)
                 self.report.insert(0, "the module was fused (JAX's compile hook): its fusions are inlined so that "
                                       "each statistic meets its gradient, and each instruction is then wrapped in a "
@@ -406,17 +411,85 @@ class DistributedBatchNorm(HloPass):
                               f"examples, but is not a floating-point sum: not a statistic the pass can group")
             sources[instr] = math.prod(instr.operand(0).shape.dims[d] for d in instr.attrs.get("dimensions", ()))
             if "direct" in how:
-                sums.append(_BatchSum(instr, sources[instr], _is_backward(instr)))
-        for instr in comp.instructions:   # the partitioner's sums over the whole batch: all-reduces over the axis
-            if instr.opcode == "all-reduce" and self._over_axis(instr) and any(
-                    _reaches(o, info, set()) for o in instr.operands if o in sources):
-                raise Refusal(f"%{instr.name} sums statistics over the whole batch axis (batch norm of a jit program "
-                              f"with a sharded batch, or with axis_name): regrouping synchronized statistics is not "
-                              f"supported; the pass groups per-device statistics (a shard_map step)")
+                sums.append(_BatchSum(instr, instr, sources[instr], _is_backward(instr), reducer))
+        synchronized = self._synchronized_sums(comp, info, len(target.axis[0]))
+        if synchronized and sums:
+            raise Refusal(f"%{synchronized[0].value.name} sums statistics over the whole batch axis while "
+                          f"%{sums[0].value.name} is a device's own: a mix the pass does not group")
+        sums += synchronized
         if not sums:
             return _Plan(self, [], [], target.groups, target.mode, len(target.groups[0]))
-        _check_means(comp, info, sources)
-        return _Plan(self, [], [], target.groups, target.mode, len(target.groups[0]), sums, info)
+        _check_means(comp, info, sources, sums, self._over_axis)
+        leaving = self._leaving_the_groups(comp, info, synchronized) if synchronized else []
+        return _Plan(self, [], [], target.groups, target.mode, len(target.groups[0]), sums, info, leaving,
+                     [line for line in target.axis])
+
+    def _synchronized_sums(self, comp: HloComputation, info: dict, axis_size: int) -> list[_BatchSum]:
+        """XLA's partitioner sums a jit program's statistics over the whole batch: all-reduces over
+        the batch axis whose results flow back into the examples."""
+        found = []
+        for instr in comp.instructions:
+            if instr.opcode != "all-reduce" or not self._over_axis(instr):
+                continue
+            elements = ([(instr, instr.operand(0))] if not instr.shape.is_tuple else
+                        [(u, instr.operand(u.attrs["index"])) for u in instr.users if u.opcode == "get-tuple-element"])
+            for value, local in elements:
+                if not _reaches(value, info, set()):
+                    continue
+                if _in_shard_map(instr):
+                    raise Refusal(f"%{instr.name} sums statistics over the whole batch axis in a shard_map step "
+                                  f"(batch norm with axis_name): use axis_name=None and let the pass group them")
+                if value.shape.dtype not in FLOAT_DTYPES or reducer_opcode(instr.attrs["to_apply"]) != "add":
+                    raise Refusal(f"%{instr.name} all-reduces over the batch axis with something other than a "
+                                  f"floating-point sum a value that flows back into the examples")
+                found.append(_BatchSum(value, local, 0, _is_backward(local), instr.attrs["to_apply"], axis_size))
+        return found
+
+    def _leaving_the_groups(self, comp: HloComputation, info: dict, synchronized: list[_BatchSum]) -> list:
+        """Where values computed from the group statistics leave for the rest of the step: the first
+        values on the way from a regrouped sum that do not flow back into the examples (a parameter's
+        gradient, a moving average), and outputs. Each group computes its own; the step needs what
+        JAX's grouped batch norm gives, which is their mean over the groups when the value is linear
+        in the backward sums (a gradient: each group holds the sum over the axis of its own
+        contributions) or made from the statistics alone (a moving average: the groups' mean).
+        Returns the instructions, and ("output", number) for outputs that also flow back."""
+        seeds = {s.value for s in synchronized}
+        linear = {s.value: (1 if s.backward else 0) for s in synchronized}
+        varying: set[HloInstruction] = set()
+        for instr in comp.post_order():
+            if instr in seeds:
+                varying.add(instr)
+            elif _none(info.get(instr)) and any(o in varying for o in instr.operands) and not (
+                    instr.opcode == "all-reduce" and self._over_axis(instr)):
+                varying.add(instr)   # per-example values are each device's own, and sums of them partial sums
+        back: dict[HloInstruction, bool] = {}
+
+        def flows_back(instr: HloInstruction) -> bool:
+            if instr not in back:
+                back[instr] = False   # HLO has no cycles
+                back[instr] = _per_example(instr, info) or any(flows_back(u) for u in instr.users)
+            return back[instr]
+
+        leaving = []
+        for instr in comp.post_order():
+            if instr not in varying or instr in seeds or flows_back(instr) or instr is comp.root:
+                continue
+            if any(o in varying and (flows_back(o) or o in seeds) for o in instr.operands):
+                if instr.shape.is_tuple or instr.shape.dtype not in FLOAT_DTYPES:
+                    raise Refusal(f"%{instr.name} takes the group statistics out of their groups and is not a "
+                                  f"floating-point array: its groups' values cannot be averaged")
+                if _linearity(instr, linear, varying) not in (0, 1):
+                    raise Refusal(f"%{instr.name} takes the group statistics out of their groups but is not "
+                                  f"linear in the backward sums: the mean of its groups' values is not the step's")
+                leaving.append(instr)
+        root = comp.root
+        for number, output in enumerate(root.operands if root.opcode == "tuple" else [root]):
+            if output in varying and flows_back(output):
+                if _linearity(output, linear, varying) not in (0, 1) or output.shape.dtype not in FLOAT_DTYPES:
+                    raise Refusal(f"output {number} (%{output.name}) is computed from the group statistics and "
+                                  f"cannot be averaged over the groups")
+                leaving.append(("output", number))
+        return leaving
 
     def _over_axis(self, all_reduce: HloInstruction) -> bool:
         """Whether every group of `all_reduce` holds a whole line of the batch axis."""
@@ -481,6 +554,8 @@ class _Plan:
     k: int
     sums: list[_BatchSum] = dataclasses.field(default_factory=list)   # at JAX's hook
     info: dict = dataclasses.field(default_factory=dict)              # the batch dimensions, at JAX's hook
+    leaving: list = dataclasses.field(default_factory=list)           # values averaged over the groups
+    axis: list[list[int]] = dataclasses.field(default_factory=list)   # the devices along the batch axis
 
     def apply(self, module: HloModule, channel_ids: ChannelIds) -> bool:
         found = self.statistics or self.sums
@@ -489,20 +564,22 @@ class _Plan:
                 self.owner.report.append("groups of one device: nothing to share")
             return False
         reducers: dict[str, HloComputation] = {}
-        for reduce in [s.reduce for s in self.statistics] + [s.value for s in self.sums]:
-            dtype = reduce.shape.dtype
+        adds = [(s.reduce.shape.dtype, s.reduce.attrs["to_apply"], s.reduce.parent) for s in self.statistics]
+        adds += [(s.value.shape.dtype, s.reducer, s.value.parent) for s in self.sums]
+        for dtype, reducer, comp in adds:
             if dtype not in reducers:
-                clone = module.clone_computation(reduce.attrs["to_apply"], suffix="group_sum")
+                clone = module.clone_computation(reducer, suffix="group_sum")
                 module.remove_computation(clone)  # defined before the computation that calls it
-                reducers[dtype] = module.add_computation(clone, before=reduce.parent)
+                reducers[dtype] = module.add_computation(clone, before=comp)
         where = _groups_text(self.groups)
         for batch_sum in self.sums:
             self._group_sum(batch_sum, reducers, channel_ids)
+            over = "over the whole batch axis " if batch_sum.scale > 1 else ""
             self.owner.report.append(
-                f"%{batch_sum.value.name}: a {'backward ' if batch_sum.backward else ''}sum over the batch that "
-                f"flows back into the examples, read only as "
-                f"a mean (a statistic or its gradient): summed over {where}, count {batch_sum.count} -> "
-                f"{batch_sum.count * self.k}")
+                f"%{batch_sum.value.name}: a {'backward ' if batch_sum.backward else ''}sum {over}that flows back "
+                f"into the examples, read only as a mean (a statistic or its gradient): summed over {where}, "
+                f"count {batch_sum.count} -> {batch_sum.count // batch_sum.scale * self.k}")
+        self._average_leaving(reducers, channel_ids)
         for stat in self.statistics:
             self._group(stat.divide, stat.count, reducers, channel_ids)
             self.owner.report.append(
@@ -523,25 +600,28 @@ class _Plan:
         statistic (the forward pass), as JAX's grouped batch norm does. A backward sum may also make a
         parameter's gradient (`sum(dy * (x - mean))` gives the scale's gradient and the variance's
         cotangent): the values that carry it back into the examples are computed a second time from
-        the group's sum, and the parameter's gradient keeps the device's own."""
+        the group's sum, and the parameter's gradient keeps the device's own.
+
+        A sum over the whole batch axis (a jit program) is the group's sum times the groups along the
+        axis for every reader; what leaves the groups is averaged over them (`_average_leaving`)."""
         value = batch_sum.value
         comp = value.parent
         order = {instr: i for i, instr in enumerate(comp.instructions)}
         first = min(value.users, key=order.__getitem__)
-        summed = self._all_reduce(value, self.groups, reducers, channel_ids, first)
+        summed = self._all_reduce(batch_sum.local, self.groups, reducers, channel_ids, first)
         scalar = Shape.array(value.shape.dtype, ())
         factor = comp.add_instruction("constant", (), scalar, name=f"{value.name}.share", before=first,
-                                      literal=Literal.parse(scalar, repr(1 / self.k)))
+                                      literal=Literal.parse(scalar, repr(batch_sum.scale / self.k)))
         factors = factor if not value.shape.dims else comp.add_instruction(
             "broadcast", [factor], value.shape, name=f"{value.name}.shares", attrs={"dimensions": ()},
             before=first)
         scaled = comp.add_instruction("multiply", [summed, factors], value.shape, name=f"{value.name}.group_mean",
                                       before=first)
-        if not batch_sum.backward:
+        if not batch_sum.backward or batch_sum.scale > 1:
             for user in [u for u in value.users if u is not summed]:
                 user.replace_operand_with(value, scaled)
             return
-        per_example = lambda instr: not _none(self.info.get(instr))  # noqa: E731
+        per_example = functools.partial(_per_example, info=self.info)
         copies = {value: scaled}
         for instr in sorted(_ways_back(value, per_example), key=order.__getitem__):
             copies[instr] = comp.add_instruction(
@@ -552,6 +632,38 @@ class _Plan:
             for user in list(instr.users):
                 if per_example(user):
                     user.replace_operand_with(instr, copies[instr])
+
+    def _average_leaving(self, reducers, channel_ids: ChannelIds) -> None:
+        """Each value that leaves the groups becomes the mean of its groups' values."""
+        if not self.leaving:
+            return
+        comp = self.sums[0].value.parent
+        root = comp.root
+        across = [[group[j] for group in self.groups if set(group) <= set(line)]
+                  for line in self.axis for j in range(self.k)]
+        for leaving in self.leaving:
+            value = root.operand(leaving[1]) if isinstance(leaving, tuple) else leaving
+            order = {instr: i for i, instr in enumerate(comp.instructions)}
+            before = root if isinstance(leaving, tuple) else min(value.users, key=order.__getitem__)
+            total = self._all_reduce(value, across, reducers, channel_ids, before)
+            total.rename(f"{value.name}.across")
+            scalar = Shape.array(value.shape.dtype, ())
+            share = comp.add_instruction("constant", (), scalar, name=f"{value.name}.share", before=before,
+                                         literal=Literal.parse(scalar, repr(1 / len(across[0]))))
+            shares = share if not value.shape.dims else comp.add_instruction(
+                "broadcast", [share], value.shape, name=f"{value.name}.shares", attrs={"dimensions": ()},
+                before=before)
+            mean = comp.add_instruction("multiply", [total, shares], value.shape, name=f"{value.name}.groups_mean",
+                                        before=before)
+            if isinstance(leaving, tuple):
+                root.set_operand(leaving[1], mean)
+                where = f"output {leaving[1]}"
+            else:
+                for user in [u for u in value.users if u is not total]:
+                    user.replace_operand_with(value, mean)
+                where = "what is computed from it"
+            self.owner.report.append(f"%{value.name}: leaves the group statistics (a gradient or a moving average): "
+                                     f"{where} reads the mean over the groups ({_groups_text(across)})")
 
     def _all_reduce(self, value: HloInstruction, groups, reducers, channel_ids: ChannelIds,
                     before: HloInstruction) -> HloInstruction:
@@ -663,6 +775,11 @@ class _BatchDims:
                                   f"run call-inliner first")
             self._calls[key] = inner.get(callee.root)
         return self._calls[key]
+
+
+def _per_example(instr: HloInstruction, info: dict) -> bool:
+    """Whether `instr` holds examples (a tuple only passes its elements on)."""
+    return not _none(info.get(instr)) and instr.opcode != "tuple"
 
 
 def _none(x) -> bool:
@@ -1054,7 +1171,8 @@ _PASS_THROUGH = frozenset({"negate", "abs", "convert", "copy", "bitcast", "resha
 _POWERS = {"rsqrt": Fraction(-1, 2), "sqrt": Fraction(1, 2)}
 
 
-def _check_means(comp: HloComputation, info: dict, sources: dict[HloInstruction, int]) -> None:
+def _check_means(comp: HloComputation, info: dict, sources: dict[HloInstruction, int], sums: list[_BatchSum],
+                 over_axis) -> None:
     """Prove that the examples read each sum over the batch only as a mean.
 
     Count degrees in the count n (dimensional analysis with n as the unit): a sum has degree 1, a
@@ -1068,6 +1186,15 @@ def _check_means(comp: HloComputation, info: dict, sources: dict[HloInstruction,
     system = _DegreeSystem()
     memo: dict[HloInstruction, tuple | None] = {}
 
+    def summed(all_reduce: HloInstruction, element):
+        """An all-reduce over the batch axis sums the count elements of each of its devices."""
+        if element is None or _over_single_devices(all_reduce):
+            return element
+        if not over_axis(all_reduce):
+            raise Refusal(f"%{all_reduce.name} all-reduces a sum over the batch over other devices than the "
+                          f"batch axis")
+        return element[0], element[1] * len(all_reduce.attrs["replica_groups"].groups[0])
+
     def degree(instr: HloInstruction):
         """(degree, count) of a value the sums reach, the degree a `_DegreeSystem` expression; None
         for a value they do not reach."""
@@ -1076,6 +1203,13 @@ def _check_means(comp: HloComputation, info: dict, sources: dict[HloInstruction,
         if instr in memo:
             return memo[instr]
         memo[instr] = None   # HLO has no cycles; this also stops a revisit
+        if instr.opcode == "get-tuple-element" and instr.operand(0).opcode == "all-reduce":
+            combined = instr.operand(0)
+            memo[instr] = summed(combined, degree(combined.operand(instr.attrs["index"])))
+            return memo[instr]
+        if instr.opcode == "all-reduce":
+            memo[instr] = None if instr.shape.is_tuple else summed(instr, degree(instr.operand(0)))
+            return memo[instr]
         ins = [degree(o) for o in instr.operands]
         reached = [d for d in ins if d is not None]
         if not reached:
@@ -1090,7 +1224,7 @@ def _check_means(comp: HloComputation, info: dict, sources: dict[HloInstruction,
                                              else system.number(0)) for d, o in zip(ins, instr.operands)]
         # what is put side by side must agree; a zero is zero in any degree (padding, relu's max)
         together = [d for d, o in zip(known, instr.operands) if _constant_value(o) != 0.0]
-        if op in _PASS_THROUGH or op == "all-reduce" and _over_single_devices(instr):
+        if op in _PASS_THROUGH:
             if op in ("concatenate", "pad"):
                 for other in together[1:]:
                     system.equal(together[0], other, instr)
@@ -1117,8 +1251,14 @@ def _check_means(comp: HloComputation, info: dict, sources: dict[HloInstruction,
         memo[instr] = (result, count)
         return memo[instr]
 
+    for batch_sum in sums:
+        found = degree(batch_sum.value)
+        if found is None:
+            raise Refusal(f"%{batch_sum.value.name} all-reduces over the batch axis what is not a sum over the batch")
+        system.equal(found[0], system.number(1), batch_sum.value)
+        batch_sum.count = found[1]
     for instr in comp.instructions:
-        if _none(info.get(instr)):
+        if _none(info.get(instr)) or instr.opcode == "tuple":   # a tuple only passes its elements on
             continue
         for operand in instr.operands:
             if _none(info.get(operand)):
@@ -1204,10 +1344,50 @@ def _degree_mismatch(where: HloInstruction, into: HloInstruction | None) -> str:
             f"count: not a mean the pass can prove")
 
 
+def _op_name(instr: HloInstruction) -> str:
+    metadata = instr.attrs.get("metadata")
+    return str(dict(metadata.items).get("op_name", "")) if metadata is not None else ""
+
+
 def _is_backward(instr: HloInstruction) -> bool:
     """Whether JAX made `instr` in its backward pass, which it names `transpose(...)` in op_name."""
-    metadata = instr.attrs.get("metadata")
-    return metadata is not None and "transpose(" in str(dict(metadata.items).get("op_name", ""))
+    return "transpose(" in _op_name(instr)
+
+
+def _in_shard_map(instr: HloInstruction) -> bool:
+    """Whether JAX made `instr` inside a shard_map (its op_name says `.../shard_map/...`)."""
+    return "shard_map/" in _op_name(instr)
+
+
+_LINEAR = frozenset({"add", "subtract", "negate", "convert", "copy", "bitcast", "reshape", "broadcast", "transpose",
+                     "slice", "concatenate", "reduce", "get-tuple-element", "select", "pad"})
+
+
+def _linearity(value: HloInstruction, seeds: dict, varying: set, memo: dict | None = None) -> int | None:
+    """How `value` depends on the backward sums in `seeds` (1 for a backward sum, 0 for a statistic):
+    0 not at all, 1 linearly (through sums, scaling by statistics and constants, reshapes), None
+    otherwise."""
+    memo = {} if memo is None else memo
+    if value in seeds:
+        return seeds[value]
+    if value not in varying:
+        return 0
+    if value not in memo:
+        memo[value] = None
+        ins = [_linearity(o, seeds, varying, memo) for o in value.operands]
+        op = value.opcode
+        if None in ins:
+            result = None
+        elif op == "multiply":
+            result = ins[0] + ins[1] if ins[0] + ins[1] <= 1 else None
+        elif op == "divide":
+            result = ins[0] if ins[1] == 0 else None
+        elif op in _LINEAR:
+            result = max(ins[1:] if op == "select" else ins) if op != "select" or ins[0] == 0 else None
+        else:
+            result = 0 if max(ins) == 0 else None
+        memo[value] = result
+    return memo[value]
 
 
 def _ways_back(value: HloInstruction, per_example) -> set[HloInstruction]:
