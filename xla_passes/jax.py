@@ -296,6 +296,9 @@ def rewrite_module(module_proto: bytes, settings: Settings, platform: str = "cpu
     logger.info("xla_passes: module_%04d %s: %s in %.1f ms", number, name,
                 f"changed by {', '.join(changed_by)}" if changed_by else "unchanged",
                 1e3 * (time.perf_counter() - start))
+    for line in pipeline.reports():
+        if line.startswith("unchanged: "):   # a pass that refused the whole module says why
+            logger.info("xla_passes: module_%04d %s: %s", number, name, line)
     return result
 
 

@@ -1273,20 +1273,26 @@ class _DegreeSystem:
 
     def __init__(self):
         self.equations: list[tuple[dict, HloInstruction, HloInstruction | None]] = []
-        self.unknowns = 0
+        self.allowed: dict[int, set] = {}   # unknown -> the degrees it may take
 
     @staticmethod
     def number(value) -> dict:
         return {None: Fraction(value)}
 
     def constant(self, instr: HloInstruction, count: int) -> dict:
-        """0 for a number; an unknown (0 or -1) for a constant that may be m/count."""
+        """0 for a number; an unknown for a constant that may be m/count or m/count² (XLA folds
+        `(s/n)²` into `s*s * (1/n²)`), m a small integer: it may take 0 or those degrees."""
         value = _constant_value(instr)
-        m = value * count if value else 0.0
-        if not value or abs(m - round(m)) > 1e-4 * max(1.0, abs(m)) or not 1 <= abs(round(m)) <= 8:
+        degrees = {0}
+        for power in (1, 2):
+            m = value * count ** power if value else 0.0
+            if value and abs(m - round(m)) <= 1e-4 * max(1.0, abs(m)) and 1 <= abs(round(m)) <= 8:
+                degrees.add(-power)
+        if len(degrees) == 1:
             return self.number(0)
-        self.unknowns += 1
-        return {None: Fraction(0), self.unknowns: Fraction(1)}
+        unknown = len(self.allowed) + 1
+        self.allowed[unknown] = degrees
+        return {None: Fraction(0), unknown: Fraction(1)}
 
     @staticmethod
     def add(a: dict, b: dict) -> dict:
@@ -1330,8 +1336,8 @@ class _DegreeSystem:
                     pivots[other] = {k: v for k, v in self.add(pivots[other], self.scale(row, -factor)).items()
                                      if k is None or v}
             pivots[unknown] = row
-        for row in pivots.values():
-            if -row.get(None, Fraction(0)) not in (0, -1):   # with the free unknowns 0
+        for unknown, row in pivots.items():
+            if -row.get(None, Fraction(0)) not in self.allowed[unknown]:   # with the free unknowns 0
                 raise Refusal("the constants around a sum over the batch cannot all be read as numbers or as "
                               "1/count: not a mean the pass can prove")
 

@@ -1,0 +1,202 @@
+"""distributed-batch-norm at the flag, property-based: the step equals JAX's own grouped batch norm.
+
+Hypothesis draws Flax convnets (one to three Conv + BatchNorm layers, optionally a Dense +
+BatchNorm, 1 to 6 channels, 1x1 to 3x3 kernels, strides 1 and 2, 2x2 to 7x7 images, one to three
+examples per device, both variance forms) and runs each one step at JAX's compile hook
+(`xla_passes.jax.enable("distributed-batch-norm{group_size=k}", strict=True)`) on 8 CPU devices,
+with k of 2 or 4, in two program styles:
+
+* `shard_map`, per-device batch norm (`axis_name=None`): the loss and gradients averaged over the
+  devices, each device's own gradients and new batch statistics;
+* `jit` with `NamedSharding` (XLA's partitioner synchronizes batch norm over every device), a full
+  sgd+momentum or adam step: the loss, the new parameters and optimizer state, the moving averages.
+
+The reference is JAX's grouped batch norm: the same model with `BatchNorm(axis_name="members")`
+in a `shard_map` over a (8/k, k) mesh, its gradients put through the same optimizer and its
+per-device statistics averaged over the groups for the jit style. Small counts (one example of
+2x2 pixels: 4 elements) make the hook's folded constants ambiguous (0.5 is both a number and
+2/4), which the pass must solve, not guess.
+
+Equal means within rtol 1e-4 and atol 1e-5: the grouped sums are added in another order than
+JAX's, and with four elements per statistic `rsqrt(var + eps)` magnifies that. The pass may
+refuse a step (XLA's own then runs): the plugin must log the reason, and the step must then
+equal the plain one. It refuses one example per device (XLA drops the unit batch dimension at
+the hook), which hypothesis draws too.
+
+Run: `pytest tests/test_distributed_batch_norm_properties.py` (profile `ci`: derandomized, the
+example counts below); `HYPOTHESIS_PROFILE=long` tries 10 times as many, randomly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import event, given, strategies as st
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import xla_passes.jax
+from wus_properties import examples
+
+RTOL, ATOL = 1e-4, 1e-5
+CLASSES = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    layers: tuple[tuple[int, int, int], ...]   # (features, kernel size, stride) of each Conv + BatchNorm
+    dense_norm: bool                            # a Dense + BatchNorm after the pooling
+    fast_variance: bool
+    image: int
+    batch_per_device: int
+    group_size: int
+    style: str                                  # "shard_map" or "jit"
+    optimizer: str                              # the jit style's: "sgd" or "adam"
+
+
+@st.composite
+def cases(draw) -> Case:
+    layers = tuple(draw(st.tuples(st.integers(1, 6), st.integers(1, 3), st.sampled_from([1, 2])))
+                   for _ in range(draw(st.integers(1, 3))))
+    return Case(layers, draw(st.booleans()), draw(st.booleans()), draw(st.integers(2, 7)), draw(st.integers(1, 3)),
+                draw(st.sampled_from([2, 4])), draw(st.sampled_from(["shard_map", "jit"])),
+                draw(st.sampled_from(["sgd", "adam"])))
+
+
+class Net(nn.Module):
+    case: Case
+    axis_name: str | None = None
+
+    @nn.compact
+    def __call__(self, x):
+        norm = functools.partial(nn.BatchNorm, use_running_average=False, momentum=0.9, axis_name=self.axis_name,
+                                 use_fast_variance=self.case.fast_variance)
+        for features, kernel, stride in self.case.layers:
+            x = nn.relu(norm()(nn.Conv(features, (kernel, kernel), strides=(stride, stride), use_bias=False)(x)))
+        x = x.mean(axis=(1, 2))
+        if self.case.dense_norm:   # no bias before a batch norm: its gradient is 0 up to float noise, which adam
+            x = nn.relu(norm()(nn.Dense(4, use_bias=False)(x)))   # would turn into steps of its learning rate
+        return nn.Dense(CLASSES)(x)
+
+
+def _loss(model, params, stats, images, labels):
+    logits, updates = model.apply({"params": params, "batch_stats": stats}, images, mutable=["batch_stats"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), updates["batch_stats"]
+
+
+def _inputs(case: Case):
+    model = Net(case)
+    variables = model.init(jax.random.key(0), jnp.zeros((1, case.image, case.image, 3)))
+    rng = np.random.default_rng(0)
+    images = rng.standard_normal((8 * case.batch_per_device, case.image, case.image, 3)).astype(np.float32) * 2 + 0.5
+    labels = rng.integers(0, CLASSES, 8 * case.batch_per_device).astype(np.int32)
+    return variables["params"], variables["batch_stats"], images, labels
+
+
+def _grouped_reference(case: Case, params, stats, images, labels):
+    """JAX's grouped batch norm: loss and gradients averaged over the devices, per-device statistics."""
+    k = case.group_size
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(8 // k, k), ("groups", "members"))
+    axes, batch = ("groups", "members"), P(("groups", "members"))
+    model = Net(case, axis_name="members")
+
+    def step(params, stats, images, labels):
+        (loss, new_stats), grads = jax.value_and_grad(functools.partial(_loss, model), has_aux=True)(
+            params, stats, images, labels)
+        stack = functools.partial(jax.tree.map, lambda a: a[None])
+        return jax.lax.pmean(loss, axes), jax.lax.pmean(grads, axes), stack(grads), stack(new_stats)
+
+    step = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), batch, batch), out_specs=(P(), P(), batch, batch),
+                         check_vma=False)
+    return jax.jit(step)(params, stats, *jax.device_put((images, labels), NamedSharding(mesh, batch)))
+
+
+def _shard_map_step(case: Case):
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    model = Net(case)
+
+    def step(params, stats, images, labels):
+        (loss, new_stats), grads = jax.value_and_grad(functools.partial(_loss, model), has_aux=True)(
+            params, stats, images, labels)
+        stack = functools.partial(jax.tree.map, lambda a: a[None])
+        return jax.lax.pmean(loss, "data"), jax.lax.pmean(grads, "data"), stack(grads), stack(new_stats)
+
+    return mesh, jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("data"), P("data")),
+                               out_specs=(P(), P(), P("data"), P("data")), check_vma=False)
+
+
+def _optimizer(case: Case):
+    return optax.sgd(0.1, momentum=0.9) if case.optimizer == "sgd" else optax.adam(1e-2)
+
+
+def _jit_step(case: Case):
+    model, tx = Net(case), _optimizer(case)
+
+    def step(params, stats, opt_state, images, labels):
+        (loss, new_stats), grads = jax.value_and_grad(functools.partial(_loss, model), has_aux=True)(
+            params, stats, images, labels)
+        changes, opt_state = tx.update(grads, opt_state, params)
+        return loss, optax.apply_updates(params, changes), new_stats, opt_state
+
+    return step
+
+
+def _at_the_flag(step, args, passes: str):
+    """The step compiled with the pass at the hook, and what the plugin logged about it."""
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("xla_passes")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        with xla_passes.jax.enable(passes, strict=True):
+            compiled = jax.jit(lambda *a: step(*a)).lower(*args).compile()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return compiled(*args), [line for line in lines if "jit__lambda" in line]
+
+
+def _assert_close(got, want, what: str) -> None:
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=RTOL, atol=ATOL, err_msg=what)
+
+
+@examples(12)
+@given(case=cases())
+def test_at_the_flag_equals_jax_grouped_batch_norm(case):
+    params, stats, images, labels = _inputs(case)
+    passes = f"distributed-batch-norm{{group_size={case.group_size}}}"
+    reference = _grouped_reference(case, params, stats, images, labels)
+    if case.style == "shard_map":
+        mesh, step = _shard_map_step(case)
+        args = (params, stats, *jax.device_put((images, labels), NamedSharding(mesh, P("data"))))
+        want = reference
+    else:
+        mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+        step, tx = _jit_step(case), _optimizer(case)
+        opt_state = tx.init(params)
+        args = (params, stats, opt_state, *jax.device_put((images, labels), NamedSharding(mesh, P("data"))))
+        loss, grads, _, device_stats = reference
+        changes, new_opt_state = tx.update(grads, opt_state, params)
+        want = (loss, optax.apply_updates(params, changes), jax.tree.map(lambda a: a.mean(axis=0), device_stats),
+                new_opt_state)
+    got, outcomes = _at_the_flag(step, args, passes)
+    changed = any("changed by distributed-batch-norm" in line for line in outcomes)
+    if changed:
+        event(f"{case.style}: grouped")
+        _assert_close(got, want, f"{case}: at the flag against JAX's grouped batch norm")
+    else:
+        reasons = [line.split("unchanged: ", 1)[1] for line in outcomes if ": unchanged: " in line]
+        assert reasons, outcomes   # a refusal says why
+        assert case.batch_per_device == 1, f"{case}: refused: {reasons[0]}"   # the one case it does not handle
+        event(f"{case.style}: refused: {reasons[0].split(':')[0]}")
+        _assert_close(got, jax.jit(step)(*args), f"{case}: refused, so XLA's own step")
