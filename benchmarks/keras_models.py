@@ -8,8 +8,9 @@ jax (KERAS_BACKEND=jax, 8 CPU devices): the model (weights=None, ``--image-size`
    of ``model.train_step`` with ``donate_argnums=0`` and the variables' shardings as output
    shardings, exactly as ``make_train_function`` builds it, on the state and batch
    ``train_on_batch`` passes it (the batch split over the devices by the distribution). It is
-   compiled three times at XLA's defaults (its all-reduce combiner on): plain, with
-   ``collective-fusion`` and with ``weight-update-sharding``, the passes run by the JAX
+   compiled four times at XLA's defaults (its all-reduce combiner on): plain, with
+   ``collective-fusion``, with ``weight-update-sharding`` and with
+   ``distributed-batch-norm{group_size=2}`` (whose numbers differ from plain's by design), the passes run by the JAX
    plugin inside XLA's compile (``xla_passes.jax.enable(..., strict=True)``, what
    ``XLA_PASSES=...`` does). For each: the losses of ``--steps`` steps from the same initial
    state and the largest difference of every final variable (weights, BatchNorm statistics,
@@ -52,7 +53,10 @@ N = 8
 JAX_MODELS = ("ResNet50", "EfficientNetB0")
 TF_MODELS = ("ResNet50", "EfficientNetB0", "MobileNetV2")
 JAX_CONFIGS = {"plain": None, "collective-fusion": "collective-fusion",
-               "weight-update-sharding": "weight-update-sharding"}
+               "weight-update-sharding": "weight-update-sharding",
+               # changes the numbers on purpose (statistics over pairs of devices): its difference to
+               # plain is the grouping's; tests/test_distributed_batch_norm_keras.py checks it against its reference
+               "distributed-batch-norm{group_size=2}": "distributed-batch-norm{group_size=2}"}
 # --xla-combiner-off: XLA's own all-reduce combiners switched off (xla_passes.training.NO_XLA_COMBINER)
 COMBINER_OFF_CONFIGS = {"plain, XLA's combiner off": None, "collective-fusion, XLA's combiner off": "collective-fusion"}
 SPATIAL = "spatial-partitioning{num_partitions=4,split=0:1}"

@@ -92,6 +92,10 @@ class Refusal(Exception):
     """The module cannot be rewritten safely; the message says why."""
 
 
+class NoBatch(Refusal):
+    """The module has no per-device batch (a jit of initializers, say): nothing for the pass."""
+
+
 @dataclasses.dataclass
 class _Statistic:
     reduce: HloInstruction
@@ -169,7 +173,7 @@ class DistributedBatchNorm(HloPass):
             targets = self._targets(module)
             plans = [self._hook_plan(module, t) if t.partitioned else self._plan(module, t) for t in targets]
         except Refusal as exc:
-            self.report.append(f"unchanged: {exc}")
+            self.report.append(f"{'not applicable' if isinstance(exc, NoBatch) else 'unchanged'}: {exc}")
             plans = []
         changed = False
         channel_ids = ChannelIds(module)
@@ -204,7 +208,7 @@ class DistributedBatchNorm(HloPass):
             raise Refusal("batch_parameters= is for replica programs; this module is a shard_map program")
         if not targets:
             if not self._batch_numbers:
-                raise Refusal("no per-device batch: no shard_map operand and no entry parameter is split over "
+                raise NoBatch("no per-device batch: no shard_map operand and no entry parameter is split over "
                               "the devices; in a replica program name the batch parameters with batch_parameters=")
             replicas = module.attrs.get("replica_count")
             if replicas is None:
@@ -446,22 +450,17 @@ class DistributedBatchNorm(HloPass):
         return found
 
     def _leaving_the_groups(self, comp: HloComputation, info: dict, synchronized: list[_BatchSum]) -> list:
-        """Where values computed from the group statistics leave for the rest of the step: the first
-        values on the way from a regrouped sum that do not flow back into the examples (a parameter's
-        gradient, a moving average), and outputs. Each group computes its own; the step needs what
-        JAX's grouped batch norm gives, which is their mean over the groups when the value is linear
-        in the backward sums (a gradient: each group holds the sum over the axis of its own
-        contributions) or made from the statistics alone (a moving average: the groups' mean).
-        Returns the instructions, and ("output", number) for outputs that also flow back."""
-        seeds = {s.value for s in synchronized}
-        linear = {s.value: (1 if s.backward else 0) for s in synchronized}
-        varying: set[HloInstruction] = set()
-        for instr in comp.post_order():
-            if instr in seeds:
-                varying.add(instr)
-            elif _none(info.get(instr)) and any(o in varying for o in instr.operands) and not (
-                    instr.opcode == "all-reduce" and self._over_axis(instr)):
-                varying.add(instr)   # per-example values are each device's own, and sums of them partial sums
+        """Where values computed from the group statistics leave for the rest of a jit step, which
+        needs what JAX's grouped batch norm gives there: the mean over the groups.
+
+        Each group computes with its own statistics, and a backward sum is its group's sum times
+        the groups along the axis. A value linear in the backward sums (a gradient, with the
+        statistics as coefficients) has as its mean over the groups the grouped step's value; one
+        made of the statistics alone (a moving average) has the mean of each group's. So the mean
+        is taken where linearity ends: at an output, or on the way into a nonlinear instruction
+        that does not flow back into the examples (adam's square of a gradient). Returns
+        ("edge", value, reader): `reader` reads the mean of `value`; and ("output", number)."""
+        seeds = {s.value: (1 if s.backward else 0) for s in synchronized}
         back: dict[HloInstruction, bool] = {}
 
         def flows_back(instr: HloInstruction) -> bool:
@@ -470,22 +469,32 @@ class DistributedBatchNorm(HloPass):
                 back[instr] = _per_example(instr, info) or any(flows_back(u) for u in instr.users)
             return back[instr]
 
+        linear: dict[HloInstruction, int | None] = dict(seeds)   # the varying values: how they are linear
         leaving = []
         for instr in comp.post_order():
-            if instr not in varying or instr in seeds or flows_back(instr) or instr is comp.root:
+            if instr in seeds or not _none(info.get(instr)) or instr.opcode == "tuple" or (
+                    instr.opcode == "all-reduce" and self._over_axis(instr)):
+                continue   # per-example values are each device's own, sums of them partial sums; outputs below
+            ins = [linear.get(o) if o in linear else 0 for o in instr.operands]
+            if not any(o in linear for o in instr.operands):
                 continue
-            if any(o in varying and (flows_back(o) or o in seeds) for o in instr.operands):
-                if instr.shape.is_tuple or instr.shape.dtype not in FLOAT_DTYPES:
-                    raise Refusal(f"%{instr.name} takes the group statistics out of their groups and is not a "
-                                  f"floating-point array: its groups' values cannot be averaged")
-                if _linearity(instr, linear, varying) not in (0, 1):
-                    raise Refusal(f"%{instr.name} takes the group statistics out of their groups but is not "
-                                  f"linear in the backward sums: the mean of its groups' values is not the step's")
-                leaving.append(instr)
+            found = _combined_linearity(instr, ins)
+            if found is None and not flows_back(instr):
+                varying = [o for o in instr.operands if o in linear]
+                if any(linear[o] == 0 for o in varying) or any(linear[o] is None for o in varying):
+                    raise Refusal(f"%{instr.name} takes the group statistics out of their groups, not linearly in "
+                                  f"the backward sums: the mean of its groups' values is not the grouped step's")
+                for operand in dict.fromkeys(varying):   # gradients: the mean before the nonlinear reader
+                    if operand.shape.is_tuple or operand.shape.dtype not in FLOAT_DTYPES:
+                        raise Refusal(f"%{operand.name} takes the group statistics out of their groups and is not "
+                                      f"a floating-point array: its groups' values cannot be averaged")
+                    leaving.append(("edge", operand, instr))
+                continue
+            linear[instr] = found
         root = comp.root
         for number, output in enumerate(root.operands if root.opcode == "tuple" else [root]):
-            if output in varying and flows_back(output):
-                if _linearity(output, linear, varying) not in (0, 1) or output.shape.dtype not in FLOAT_DTYPES:
+            if output in linear:
+                if linear[output] is None or output.shape.is_tuple or output.shape.dtype not in FLOAT_DTYPES:
                     raise Refusal(f"output {number} (%{output.name}) is computed from the group statistics and "
                                   f"cannot be averaged over the groups")
                 leaving.append(("output", number))
@@ -564,6 +573,7 @@ class _Plan:
                 self.owner.report.append("groups of one device: nothing to share")
             return False
         reducers: dict[str, HloComputation] = {}
+        self._regrouped: dict[HloInstruction, HloInstruction] = {}   # a regrouped sum -> what its readers read
         adds = [(s.reduce.shape.dtype, s.reduce.attrs["to_apply"], s.reduce.parent) for s in self.statistics]
         adds += [(s.value.shape.dtype, s.reducer, s.value.parent) for s in self.sums]
         for dtype, reducer, comp in adds:
@@ -617,6 +627,7 @@ class _Plan:
             before=first)
         scaled = comp.add_instruction("multiply", [summed, factors], value.shape, name=f"{value.name}.group_mean",
                                       before=first)
+        self._regrouped[value] = scaled
         if not batch_sum.backward or batch_sum.scale > 1:
             for user in [u for u in value.users if u is not summed]:
                 user.replace_operand_with(value, scaled)
@@ -641,29 +652,30 @@ class _Plan:
         root = comp.root
         across = [[group[j] for group in self.groups if set(group) <= set(line)]
                   for line in self.axis for j in range(self.k)]
+        means: dict[HloInstruction, HloInstruction] = {}
         for leaving in self.leaving:
-            value = root.operand(leaving[1]) if isinstance(leaving, tuple) else leaving
-            order = {instr: i for i, instr in enumerate(comp.instructions)}
-            before = root if isinstance(leaving, tuple) else min(value.users, key=order.__getitem__)
-            total = self._all_reduce(value, across, reducers, channel_ids, before)
-            total.rename(f"{value.name}.across")
-            scalar = Shape.array(value.shape.dtype, ())
-            share = comp.add_instruction("constant", (), scalar, name=f"{value.name}.share", before=before,
-                                         literal=Literal.parse(scalar, repr(1 / len(across[0]))))
-            shares = share if not value.shape.dims else comp.add_instruction(
-                "broadcast", [share], value.shape, name=f"{value.name}.shares", attrs={"dimensions": ()},
-                before=before)
-            mean = comp.add_instruction("multiply", [total, shares], value.shape, name=f"{value.name}.groups_mean",
-                                        before=before)
-            if isinstance(leaving, tuple):
-                root.set_operand(leaving[1], mean)
+            value = root.operand(leaving[1]) if leaving[0] == "output" else self._regrouped.get(leaving[1], leaving[1])
+            if value not in means:
+                order = {instr: i for i, instr in enumerate(comp.instructions)}
+                before = root if leaving[0] == "output" else min(value.users, key=order.__getitem__)
+                total = self._all_reduce(value, across, reducers, channel_ids, before)
+                total.rename(f"{value.name}.across")
+                scalar = Shape.array(value.shape.dtype, ())
+                share = comp.add_instruction("constant", (), scalar, name=f"{value.name}.share", before=before,
+                                             literal=Literal.parse(scalar, repr(1 / len(across[0]))))
+                shares = share if not value.shape.dims else comp.add_instruction(
+                    "broadcast", [share], value.shape, name=f"{value.name}.shares", attrs={"dimensions": ()},
+                    before=before)
+                means[value] = comp.add_instruction("multiply", [total, shares], value.shape,
+                                                    name=f"{value.name}.groups_mean", before=before)
+            if leaving[0] == "output":
+                root.set_operand(leaving[1], means[value])
                 where = f"output {leaving[1]}"
             else:
-                for user in [u for u in value.users if u is not total]:
-                    user.replace_operand_with(value, mean)
-                where = "what is computed from it"
-            self.owner.report.append(f"%{value.name}: leaves the group statistics (a gradient or a moving average): "
-                                     f"{where} reads the mean over the groups ({_groups_text(across)})")
+                leaving[2].replace_operand_with(value, means[value])
+                where = f"%{leaving[2].name}"
+            self.owner.report.append(f"%{value.name}: computed from the group statistics: {where} reads its mean "
+                                     f"over the groups ({_groups_text(across)})")
 
     def _all_reduce(self, value: HloInstruction, groups, reducers, channel_ids: ChannelIds,
                     before: HloInstruction) -> HloInstruction:
@@ -830,20 +842,22 @@ def _convolution(instr: HloInstruction, ins: list):
     lhs, rhs = ins[0], ins[1]
     if any(x is not None and (not isinstance(x, int) or x < 0) for x in (lhs, rhs)):
         return OPAQUE
-    if any(instr.attrs.get(key, 1) not in (1, None) for key in ("feature_group_count", "batch_group_count")):
-        return OPAQUE
+    # Grouped convolutions (depthwise ones): feature groups leave the batch alone; batch groups
+    # (depthwise filter gradients) split the input batch dimension, which then holds no examples.
+    feature_groups = instr.attrs.get("feature_group_count") or 1
+    batch_groups = instr.attrs.get("batch_group_count") or 1
     out = set()
     if lhs is not None:
-        if lhs == dn.input_batch:
+        if lhs == dn.input_batch and batch_groups == 1:
             out.add(dn.output_batch)
-        elif lhs == dn.input_feature:
+        elif lhs == dn.input_feature and feature_groups == 1:
             out.add(None)   # contracted: a sum over the batch (a weight gradient)
         else:
             return OPAQUE
     if rhs is not None:
-        if rhs == dn.kernel_output_feature:
+        if rhs == dn.kernel_output_feature and feature_groups == 1 and batch_groups == 1:
             out.add(dn.output_feature)
-        elif rhs == dn.kernel_input_feature:
+        elif rhs == dn.kernel_input_feature and feature_groups == 1:
             out.add(None)
         else:
             return OPAQUE
@@ -1369,31 +1383,21 @@ _LINEAR = frozenset({"add", "subtract", "negate", "convert", "copy", "bitcast", 
                      "slice", "concatenate", "reduce", "get-tuple-element", "select", "pad"})
 
 
-def _linearity(value: HloInstruction, seeds: dict, varying: set, memo: dict | None = None) -> int | None:
-    """How `value` depends on the backward sums in `seeds` (1 for a backward sum, 0 for a statistic):
-    0 not at all, 1 linearly (through sums, scaling by statistics and constants, reshapes), None
-    otherwise."""
-    memo = {} if memo is None else memo
-    if value in seeds:
-        return seeds[value]
-    if value not in varying:
-        return 0
-    if value not in memo:
-        memo[value] = None
-        ins = [_linearity(o, seeds, varying, memo) for o in value.operands]
-        op = value.opcode
-        if None in ins:
-            result = None
-        elif op == "multiply":
-            result = ins[0] + ins[1] if ins[0] + ins[1] <= 1 else None
-        elif op == "divide":
-            result = ins[0] if ins[1] == 0 else None
-        elif op in _LINEAR:
-            result = max(ins[1:] if op == "select" else ins) if op != "select" or ins[0] == 0 else None
-        else:
-            result = 0 if max(ins) == 0 else None
-        memo[value] = result
-    return memo[value]
+def _combined_linearity(instr: HloInstruction, ins: list) -> int | None:
+    """How `instr` is linear in the backward sums, its operands being `ins` (0: not at all, 1:
+    linearly, None: otherwise): through sums, scaling by statistics and constants, reshapes."""
+    op = instr.opcode
+    if None in ins:
+        return None
+    if op == "multiply":
+        return ins[0] + ins[1] if ins[0] + ins[1] <= 1 else None
+    if op == "divide":
+        return ins[0] if ins[1] == 0 else None
+    if op == "select":
+        return max(ins[1:]) if ins[0] == 0 else None
+    if op in _LINEAR:
+        return max(ins)
+    return 0 if max(ins) == 0 else None
 
 
 def _ways_back(value: HloInstruction, per_example) -> set[HloInstruction]:
