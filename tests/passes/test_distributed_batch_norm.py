@@ -7,6 +7,11 @@ replica's own statistics) trains data parallel over 8 devices (`shard_map`), com
 batch norm: the same step over a (4, 2) mesh ('groups', 'members') whose BatchNorm has
 `axis_name="members"`, the batch split over both axes in the same order. Without the pass the two
 differ (checked too, so the comparison means something).
+
+At the flag (`xla_passes.jax.enable`, the fused module XLA hands its hook), the same comparison for
+the `shard_map` step and the zoo's ResNet, and jit steps with a sharded batch (batch norm that
+XLA's partitioner synchronized, regrouped) through sgd and adam; the hook's forms are pinned in
+distributed_batch_norm_hook.hlo.
 """
 from __future__ import annotations
 
