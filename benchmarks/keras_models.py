@@ -56,7 +56,10 @@ JAX_CONFIGS = {"plain": None, "collective-fusion": "collective-fusion",
                "weight-update-sharding": "weight-update-sharding",
                # changes the numbers on purpose (statistics over pairs of devices): its difference to
                # plain is the grouping's; tests/test_distributed_batch_norm_keras.py checks it against its reference
-               "distributed-batch-norm{group_size=2}": "distributed-batch-norm{group_size=2}"}
+               "distributed-batch-norm{group_size=2}": "distributed-batch-norm{group_size=2}",
+               # the same, with the regrouped all-reduces combined (the pass leaves one per statistic)
+               "distributed-batch-norm{group_size=2},collective-fusion":
+                   "distributed-batch-norm{group_size=2},collective-fusion"}
 # --xla-combiner-off: XLA's own all-reduce combiners switched off (xla_passes.training.NO_XLA_COMBINER)
 COMBINER_OFF_CONFIGS = {"plain, XLA's combiner off": None, "collective-fusion, XLA's combiner off": "collective-fusion"}
 SPATIAL = "spatial-partitioning{num_partitions=4,split=0:1}"
@@ -92,7 +95,8 @@ def ring_bytes(collectives: dict[str, tuple[int, int]]) -> float:
                     + collectives["all-gather"][1])
 
 
-def jax_model(name: str, image_size: int, steps: int, rounds: int, combiner_off: bool) -> dict:
+def jax_model(name: str, image_size: int, steps: int, rounds: int, combiner_off: bool,
+              labels: list[str] | None = None) -> dict:
     import jax  # noqa: PLC0415
     import keras  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
@@ -127,7 +131,8 @@ def jax_model(name: str, image_size: int, steps: int, rounds: int, combiner_off:
         return (*state[:3], jax.tree.map(lambda v, s: jax.device_put(v, s), fresh_metrics, shardings[3]))
 
     runs = {}
-    configs = [(label, passes, None) for label, passes in JAX_CONFIGS.items()]
+    configs = [(label, passes, None) for label, passes in JAX_CONFIGS.items()
+               if not labels or label == "plain" or label in labels]
     if combiner_off:
         configs += [(label, passes, NO_XLA_COMBINER) for label, passes in COMBINER_OFF_CONFIGS.items()]
     configs.append((HAND_BACK, HAND_BACK, None))
@@ -234,7 +239,8 @@ def jax_part(args) -> None:
     results = {}
     for name in args.models or JAX_MODELS:
         start = time.perf_counter()
-        results[name] = jax_model(name, args.image_size, args.steps, args.rounds, args.xla_combiner_off)
+        results[name] = jax_model(name, args.image_size, args.steps, args.rounds, args.xla_combiner_off,
+                                  args.configs)
         print(f"  {name}: {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     print_jax_tables(results, args)
 
@@ -280,6 +286,8 @@ def main(argv=None) -> None:
     parser.add_argument("--image-size", type=int, default=32, help="JAX part: image height and width")
     parser.add_argument("--steps", type=int, default=3, help="JAX part: steps per configuration and round")
     parser.add_argument("--rounds", type=int, default=3, help="JAX part: counted rounds")
+    parser.add_argument("--configs", nargs="*", choices=list(JAX_CONFIGS),
+                        help="JAX part: these configurations only, besides plain (default: all)")
     parser.add_argument("--xla-combiner-off", action="store_true",
                         help="JAX part: also plain and collective-fusion with XLA's all-reduce combiners off")
     parser.add_argument("--tf-models", nargs="*", help=f"TF part: models (default {TF_MODELS})")

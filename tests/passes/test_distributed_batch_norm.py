@@ -514,6 +514,24 @@ def test_jit_with_a_sharded_batch_at_the_jax_hook_equals_jax_grouped_batch_norm(
                for x, y in zip(jax.tree.leaves(plain[1]), jax.tree.leaves(want[1]))) > 1e-3
 
 
+def test_refuses_a_jit_program_before_spmd_partitioning():
+    """JAX's lowering of a jit step with a sharded batch is one global program: its sums over the
+    batch are whole, not per device, so there is nothing to group before XLA's partitioner runs
+    (at the hook, or after spatial-partitioning's split of the batch, there is)."""
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    model = ConvNet(axis_name=None)
+
+    def forward(params, stats, images):
+        return model.apply({"params": params, "batch_stats": stats}, images, mutable=["batch_stats"])
+
+    params, stats = _variables()
+    images, _ = _data(mesh, P("data"))
+    text = jax.jit(forward).lower(params, stats, images).as_text(dialect="hlo")
+    changed, report = _report(text, "distributed-batch-norm{group_size=2}")
+    assert not changed
+    assert report[-1].startswith("unchanged: a jit program before SPMD partitioning"), report
+
+
 def test_refuses_statistics_synchronized_inside_a_shard_map(caplog):
     """BatchNorm(axis_name="data") inside a shard_map: the statistics are already summed over the
     axis and the step's outputs may be per device, so the pass does not regroup them; XLA's own step."""

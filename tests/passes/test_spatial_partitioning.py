@@ -214,12 +214,13 @@ def _train_step():
     return step
 
 
-def _lower_step(height: int):
+def _lower_step(height: int, batch: int = 2):
     step = _train_step()
     side = -(-height // 4)
     params = [jnp.zeros((3, 3, 3, 8)), jnp.zeros((3, 3, 8, 8)), jnp.zeros((3, 3, 8, 8)),
               jnp.zeros((8 * side * side, 10))]
-    return jax.jit(step).lower(params, jnp.zeros((2, height, height, 3)), jnp.zeros((2, 10))).as_text(dialect="hlo")
+    return jax.jit(step).lower(params, jnp.zeros((batch, height, height, 3)),
+                               jnp.zeros((batch, 10))).as_text(dialect="hlo")
 
 
 @pytest.mark.parametrize("options", ["", "{mesh=2x2}", "{num_partitions=8}"])
@@ -242,6 +243,20 @@ def test_jax_training_step_uneven():
     assert any("the last holds 3" in line for line in report)
     gathers = [line for line in report if " all-gather " in line]
     assert len(gathers) == 1 and "(reshape)" in gathers[0], gathers   # only the flatten
+
+
+@pytest.mark.parametrize("batch", [8, 6])
+def test_batch_split_makes_the_step_data_parallel(batch):
+    """split=4:0;5:0 splits the images and targets along the batch: each device convolves its own
+    examples, and what contracts the examples (the convolutions' and the dense layer's weight
+    gradients, the statistics, the loss) reduces locally and all-reduces. Nothing is gathered;
+    6 examples over 4 devices pad the last slab, whose rows are masked out of every sum."""
+    module, report = _compare(_lower_step(8, batch), "spatial-partitioning{split=4:0;5:0}")
+    assert module.entry.parameter(4).shape.dims == (-(-batch // 4), 8, 8, 3)
+    assert not [line for line in report if " all-gather " in line], report
+    assert _count(module, "collective-permute") == 0   # no halos: examples do not overlap
+    assert sum("over split examples (a weight gradient)" in line for line in report) == 3
+    assert sum("dot over split contracting dimension" in line for line in report) == 1
 
 
 UNALIGNED = {

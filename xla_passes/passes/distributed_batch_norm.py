@@ -179,9 +179,10 @@ class DistributedBatchNorm(HloPass):
         channel_ids = ChannelIds(module)
         for plan in plans:
             changed |= plan.apply(module, channel_ids)
+        if changed:
+            module.entry.remove_dead_code()   # the partitioner's all-reduces the groups' sums replace
         if original is not None:
             if changed:
-                module.entry.remove_dead_code()   # the partitioner's all-reduces the groups' sums replace
                 wrap_in_fusions(module.entry)
                 self.report.insert(0, "the module was fused (JAX's compile hook): its fusions are inlined so that "
                                       "each statistic meets its gradient, and each instruction is then wrapped in a "
@@ -285,12 +286,6 @@ class DistributedBatchNorm(HloPass):
         entry = module.entry
         split: dict[int, int] = {}
         axes = {}
-        if not module.layouts_final:
-            if any(isinstance(p.attrs.get("sharding"), Sharding) and p.attrs["sharding"].kind == "tiled"
-                   for p in entry.parameters):
-                raise Refusal("a jit program before SPMD partitioning (its sums over the batch are global): "
-                              "the pass runs on per-device programs (a shard_map step, or JAX's compile hook)")
-            return None
         for param in entry.parameters:
             sharding = param.attrs.get("sharding")
             if not isinstance(sharding, Sharding) or sharding.kind != "tiled" or sharding.last_tile_dims:
@@ -309,6 +304,14 @@ class DistributedBatchNorm(HloPass):
         if not split:
             return None
         lines = next(iter(axes.values()))
+        self._axis = {frozenset(line) for line in lines}
+        if not module.layouts_final and not any(i.opcode == "all-reduce" and self._over_axis(i)
+                                                for i in entry.instructions):
+            # A per-device program sums over the devices that split its batch; a global one
+            # (a jit program before SPMD partitioning) has nothing to sum.
+            raise Refusal("a jit program before SPMD partitioning (its sums over the batch are global): "
+                          "the pass runs on per-device programs (a shard_map step, JAX's compile hook, or "
+                          "spatial-partitioning's split of the batch)")
         if any(other != lines for other in axes.values()):
             raise Refusal("the entry parameters are split over different device axes (a model-parallel weight "
                           "beside the batch?): cannot tell which is the batch; run the pass on JAX's lowering "
@@ -1234,8 +1237,9 @@ def _check_means(comp: HloComputation, info: dict, sources: dict[HloInstruction,
                           f"read them: not a batch statistic the pass can prove")
         count = counts.pop()
         op = instr.opcode
-        known = [d[0] if d is not None else (system.constant(o, count) if op in ("multiply", "divide")
-                                             else system.number(0)) for d, o in zip(ins, instr.operands)]
+        known = [d[0] if d is not None else (system.constant(o, count, op == "divide" and k == 1)
+                                             if op in ("multiply", "divide") else system.number(0))
+                 for k, (d, o) in enumerate(zip(ins, instr.operands))]
         # what is put side by side must agree; a zero is zero in any degree (padding, relu's max)
         together = [d for d, o in zip(known, instr.operands) if _constant_value(o) != 0.0]
         if op in _PASS_THROUGH:
@@ -1293,15 +1297,16 @@ class _DegreeSystem:
     def number(value) -> dict:
         return {None: Fraction(value)}
 
-    def constant(self, instr: HloInstruction, count: int) -> dict:
-        """0 for a number; an unknown for a constant that may be m/count or m/count² (XLA folds
-        `(s/n)²` into `s*s * (1/n²)`), m a small integer: it may take 0 or those degrees."""
+    def constant(self, instr: HloInstruction, count: int, divisor: bool) -> dict:
+        """0 for a number; an unknown for a factor that may be m/count or m/count² (XLA folds
+        `(s/n)²` into `s*s * (1/n²)`), or a divisor that may be m·count or m·count² (TF divides by
+        the count), m a small integer: it may take 0 or those degrees."""
         value = _constant_value(instr)
         degrees = {0}
-        for power in (1, 2):
-            m = value * count ** power if value else 0.0
+        for power in ((1, 2) if divisor else (-1, -2)):
+            m = value / float(count) ** power if value else 0.0
             if value and abs(m - round(m)) <= 1e-4 * max(1.0, abs(m)) and 1 <= abs(round(m)) <= 8:
-                degrees.add(-power)
+                degrees.add(power)
         if len(degrees) == 1:
             return self.number(0)
         unknown = len(self.allowed) + 1
@@ -1370,8 +1375,10 @@ def _op_name(instr: HloInstruction) -> str:
 
 
 def _is_backward(instr: HloInstruction) -> bool:
-    """Whether JAX made `instr` in its backward pass, which it names `transpose(...)` in op_name."""
-    return "transpose(" in _op_name(instr)
+    """Whether `instr` belongs to the backward pass: JAX names it `transpose(...)` in op_name, TF's
+    GradientTape `gradient_tape/...`."""
+    name = _op_name(instr)
+    return "transpose(" in name or name.startswith("gradient_tape/")
 
 
 def _in_shard_map(instr: HloInstruction) -> bool:

@@ -497,7 +497,7 @@ class _Partitioner:
         rhs_free = [d for d in range(instr.operand(1).shape.rank)
                     if d not in rhs_batch and d not in attrs.get("rhs_contracting_dims", ())]
         if lhs and rhs:
-            raise _Gather("both dot operands are split")
+            return self.contracted_dot(instr, lhs, rhs)
         free, offset = (lhs_free, len(lhs_batch)) if lhs else (rhs_free, len(lhs_batch) + len(lhs_free))
         layout = []
         for split in lhs or rhs:
@@ -505,6 +505,17 @@ class _Partitioner:
                 raise _Gather(f"the dot contracts or batches split dimension {split.dim}")
             layout.append(split.moved(offset + free.index(split.dim)))
         return self.moved(instr, tuple(layout))
+
+    def contracted_dot(self, instr: HloInstruction, lhs: Layout, rhs: Layout):
+        """Both operands split along the same contracting dimension (a dense layer's weight
+        gradient over split examples): local dot, then an all-reduce of the partial sums."""
+        lhs_contracting = instr.attrs.get("lhs_contracting_dims", ())
+        rhs_contracting = instr.attrs.get("rhs_contracting_dims", ())
+        if (len(lhs) != 1 or len(rhs) != 1 or lhs[0].dim not in lhs_contracting
+                or rhs_contracting[lhs_contracting.index(lhs[0].dim)] != rhs[0].dim or not lhs[0].same_slabs(rhs[0])):
+            raise _Gather("both dot operands are split, not along one contracting dimension")
+        return self.partial_sums(instr, list(zip(instr.operands, (lhs[0], rhs[0]))),
+                                 f"partial sums of a dot over split contracting dimension {lhs[0].dim}")
 
     # -- reductions --------------------------------------------------------------------------------
     def visit_reduce(self, instr: HloInstruction):
@@ -687,6 +698,8 @@ class _Partitioner:
         dn = instr.attrs["dim_labels"]
         window = instr.attrs["window"]
         lhs_layout, rhs_layout = self.values[lhs][1], self.values[rhs][1]
+        if split_of(lhs_layout, dn.input_batch) is not None or split_of(lhs_layout, dn.input_feature) is not None:
+            return self.batch_convolution(instr)
         spatial = {d: i for i, d in enumerate(dn.input_spatial)}
         contracted = {}
         for split in rhs_layout:
@@ -710,6 +723,45 @@ class _Partitioner:
                              window=type(window)(tuple(dims)))
             return new, layout
         return self.weight_gradient(instr, contracted)
+
+    def batch_convolution(self, instr: HloInstruction):
+        """A convolution over a split batch (`split=P:0` makes the step data-parallel): examples
+        convolve on their own device, and a weight gradient, which contracts the examples (TF's
+        and JAX's `conv(x, dy)` with the batch as input feature), adds its partial kernels."""
+        lhs, rhs = instr.operands
+        dn = instr.attrs["dim_labels"]
+        lhs_layout, rhs_layout = self.values[lhs][1], self.values[rhs][1]
+        if len(lhs_layout) != 1:
+            raise _Gather("the batch and another dimension of the input are split")
+        split = lhs_layout[0]
+        if instr.attrs.get("batch_group_count", 1) != 1:
+            raise _Gather("a batch-grouped convolution (a depthwise weight gradient) over a split dimension")
+        if split.dim == dn.input_batch and not rhs_layout:
+            out = Split(dn.output_batch, split.axis, instr.shape.dims[dn.output_batch], split.local)
+            new = self.clone(instr, [self.local(lhs, (split.slab(),)), self.values[rhs][0]],
+                             instr.shape.with_dims(local_dims(instr.shape.dims, (out,))))
+            return new, (out,)
+        partner = split_of(rhs_layout, dn.kernel_input_feature)
+        if (split.dim != dn.input_feature or len(rhs_layout) != 1 or partner is None or not split.same_slabs(partner)
+                or instr.attrs.get("feature_group_count", 1) != 1):
+            raise _Gather("the convolution's input is split along its batch or feature dimension, and the kernel "
+                          "is not split the same way")
+        return self.partial_sums(instr, [(lhs, split), (rhs, partner)],
+                                 "partial sums of a convolution over split examples (a weight gradient)")
+
+    def partial_sums(self, instr: HloInstruction, operands, why: str):
+        """`instr` on each device's slabs of its contracted operands (rows past an uneven end
+        zeroed), then an all-reduce that adds the partial results."""
+        values = []
+        for operand, split in operands:
+            value = self.local(operand, (split.slab(),))
+            if self.uneven(split):
+                value = self.b.mask(value, [split.slab()], self.b.constant(0, operand.shape.dtype))
+            values.append(value)
+        new = self.clone(instr, values, instr.shape)
+        new = self.b.all_reduce(new, [operands[0][1].axis], self.b.reducer("add", instr.shape.dtype))
+        self.note("all-reduce", instr, why)
+        return new, REPLICATED
 
     def weight_gradient(self, instr: HloInstruction, contracted: dict):
         """A convolution whose window is split with its input (output = kernel): each device
