@@ -63,8 +63,8 @@ JAX_CONFIGS = {"plain": None, "collective-fusion": "collective-fusion",
 # --xla-combiner-off: XLA's own all-reduce combiners switched off (xla_passes.training.NO_XLA_COMBINER)
 COMBINER_OFF_CONFIGS = {"plain, XLA's combiner off": None, "collective-fusion, XLA's combiner off": "collective-fusion"}
 SPATIAL = "spatial-partitioning{num_partitions=4,split=0:1}"
-# compiled only: plain through a pass hook that hands XLA's module back unchanged (what the hook
-# alone does to memory: jaxlib 0.10.2 drops the donation of every module a hook hands back)
+# plain through a pass hook that hands XLA's module back unchanged (what the hook alone does to
+# memory and time: jaxlib 0.10.2 drops the donation of every module a hook hands back)
 HAND_BACK = "plain through a hook that hands the module back unchanged"
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "collective-permute")
 BATCH_PER_DEVICE = 2
@@ -152,7 +152,6 @@ def jax_model(name: str, image_size: int, steps: int, rounds: int, combiner_off:
 
     # Numbers: `steps` steps of each configuration from the same initial state.
     finals = {}
-    static = runs.pop(HAND_BACK)   # compiled only
     for label, run in runs.items():
         state, losses = initial_state(), []
         for batch in batches:
@@ -183,8 +182,7 @@ def jax_model(name: str, image_size: int, steps: int, rounds: int, combiner_off:
     for run in runs.values():
         run["median_s"] = statistics.median(run["seconds"])
         del run["compiled"]
-    del static["compiled"]
-    return {**runs, HAND_BACK: static}
+    return runs
 
 
 
@@ -200,9 +198,7 @@ def print_jax_tables(results: dict[str, dict], args) -> None:
     for model, runs in results.items():
         plain = runs["plain"]
         for label, r in runs.items():
-            if label == HAND_BACK:
-                r = {**r, "losses": [], "max_abs": float("nan"), "max_rel": float("nan"), "median_s": float("nan")}
-            losses = " ".join(f"{loss:.6f}" for loss in r["losses"]) or "(compiled only)"
+            losses = " ".join(f"{loss:.6f}" for loss in r["losses"])
             line = (f"| {model} | {label} | {losses} | {r['max_abs']:.3g} | {r['max_rel']:.3g} | "
                     f"{r['flops'] / 1e9:.3f} | {ratio(r['flops'], plain['flops'])} | "
                     f"{r['bytes accessed'] / 1e6:.1f} | {ratio(r['bytes accessed'], plain['bytes accessed'])} | "

@@ -514,6 +514,52 @@ def test_jit_with_a_sharded_batch_at_the_jax_hook_equals_jax_grouped_batch_norm(
                for x, y in zip(jax.tree.leaves(plain[1]), jax.tree.leaves(want[1]))) > 1e-3
 
 
+def test_dropout_drawn_inside_the_step_at_the_jax_hook(tmp_path):
+    """Dropout's random bits drawn inside the step, as Keras's Dropout layers draw them (in
+    EfficientNetB0): XLA computes them in a loop, whose values are not per example (the key and
+    counters), so the pass follows the masked images into the statistics and groups them; the step
+    equals JAX's grouped batch norm of the same masked images (JAX's random bits do not depend on
+    the sharding)."""
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    model = ConvNet(axis_name=None)
+    keep = 0.75
+
+    def masked(images, key):
+        return images * jax.random.bernoulli(key, keep, (images.shape[0], 1, 1, 1)) / keep
+
+    def step(params, stats, images, labels, key):
+        def loss_fn(p):
+            logits, updates = model.apply({"params": p, "batch_stats": stats}, masked(images, key),
+                                          mutable=["batch_stats"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), updates
+        (loss, updates), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        return loss, grads, updates["batch_stats"]
+
+    params, stats = _variables()
+    images, labels = _data(mesh, P("data"))
+    key = jax.random.key(7)
+    args = (params, stats, images, labels, key)
+    with xla_passes.jax.enable("distributed-batch-norm{group_size=2}", strict=True, dump_to=str(tmp_path)):
+        compiled = jax.jit(lambda *a: step(*a)).lower(*args).compile()   # its own cache entry
+    got = compiled(*args)
+    hook_modules = [f.read_text() for f in tmp_path.glob("*jit__lambda.before_xla_passes*")]
+    assert hook_modules and all(" while(" in text for text in hook_modules)   # the random bits' loop
+
+    k = 2
+    group_mesh = Mesh(np.array(jax.devices()[:8]).reshape(8 // k, k), ("groups", "members"))
+    axes, batch = ("groups", "members"), P(("groups", "members"))
+    reference = jax.shard_map(_step(ConvNet(axis_name="members"), axes), mesh=group_mesh,
+                              in_specs=(P(), P(), batch, batch), out_specs=(P(), P(), batch, batch), check_vma=False)
+    masked_images = jax.device_put(masked(np.asarray(images), key), NamedSharding(group_mesh, batch))
+    loss, grads, _, device_stats = jax.jit(reference)(params, stats, masked_images,
+                                                      jax.device_put(np.asarray(labels), NamedSharding(group_mesh, batch)))
+    want = (loss, grads, jax.tree.map(lambda a: a.mean(axis=0), device_stats))
+    _assert_close(got, want)
+    plain = jax.jit(step)(*args)
+    assert max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+               for x, y in zip(jax.tree.leaves(plain[1]), jax.tree.leaves(want[1]))) > 1e-3
+
+
 def test_refuses_a_jit_program_before_spmd_partitioning():
     """JAX's lowering of a jit step with a sharded batch is one global program: its sums over the
     batch are whole, not per device, so there is nothing to group before XLA's partitioner runs

@@ -55,16 +55,17 @@ def _inlinable(call: HloInstruction) -> bool:
     return not has_control and callee.execution_thread in (None, call.parent.execution_thread)
 
 
-def inline_fusions(comp: HloComputation) -> bool:
+def inline_fusions(comp: HloComputation, origins: dict | None = None) -> bool:
     """Replace every fusion in `comp` by the instructions of its fused computation.
 
     XLA's fusions hide the dataflow a pass may need to see whole (distributed-batch-norm
     pairs a statistic with its gradient across them). Fusions recompute shared producers, so
     `cse` after this merges the copies. Fused computations no caller is left for are removed.
+    `origins`, if given, gets (fusion name, fused instruction name) for each inlined instruction.
     """
     fusions = [instr for instr in comp.instructions if instr.opcode == "fusion"]
     for fusion in fusions:
-        inline(fusion, fusion.attrs["calls"])
+        inline(fusion, fusion.attrs["calls"], origins)
     if fusions:
         comp.parent.remove_dead_computations()
     return bool(fusions)
@@ -98,8 +99,9 @@ def wrap_in_fusions(comp: HloComputation) -> None:
         fusion.rename(instr.name)
 
 
-def inline(call: HloInstruction, callee: HloComputation) -> None:
-    """Replace `call` (a call or a fusion) by the instructions of `callee`, which it calls."""
+def inline(call: HloInstruction, callee: HloComputation, origins: dict | None = None) -> None:
+    """Replace `call` (a call or a fusion) by the instructions of `callee`, which it calls;
+    `origins`, if given, gets (call's name, callee instruction's name) for each new instruction."""
     comp: HloComputation = call.parent
     mapping = {callee.parameter(i): operand for i, operand in enumerate(call.operands)}
     for instr in callee.post_order():
@@ -111,5 +113,7 @@ def inline(call: HloInstruction, callee: HloComputation) -> None:
         mapping[instr] = comp.add_instruction(
             instr.opcode, [mapping[o] for o in instr.operands], instr.shape, name=instr.name,
             attrs=attrs, before=call, literal=instr.literal)
+        if origins is not None:
+            origins[mapping[instr]] = (call.name, instr.name)
     call.replace_all_uses_with(mapping[callee.root])
     comp.remove_instruction(call)

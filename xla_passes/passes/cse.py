@@ -38,8 +38,9 @@ class CommonSubexpressionElimination(HloPass):
         return changed
 
 
-def eliminate_common_subexpressions(comp: HloComputation) -> bool:
-    """Merge the instructions of `comp` that compute the same value; whether any were."""
+def eliminate_common_subexpressions(comp: HloComputation, merged: dict | None = None) -> bool:
+    """Merge the instructions of `comp` that compute the same value; whether any were. `merged`,
+    if given, gets each removed instruction's replacement."""
     controlled = {p for instr in comp.instructions for p in instr.control_predecessors}
     seen = {}
     duplicates = []
@@ -52,6 +53,8 @@ def eliminate_common_subexpressions(comp: HloComputation) -> bool:
         if first is not instr:
             instr.replace_all_uses_with(first)
             duplicates.append(instr)
+            if merged is not None:
+                merged[instr] = first
     for instr in duplicates:
         comp.remove_instruction(instr)
     return bool(duplicates)

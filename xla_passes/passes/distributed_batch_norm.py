@@ -58,10 +58,14 @@ statistics, when a called computation reduces over the batch (run `call-inliner`
 batch is split over several mesh axes, when the module holds `batch-norm-training`/`-grad`
 instructions.
 
-At JAX's compile hook the module is fused and simplified; there the pass inlines the fusions, groups
-every sum over the batch whose readers it proves read it as a mean (`_hook_plan`), and wraps each
-instruction in a fusion of its own again. Statistics XLA's partitioner already sums over the whole
-batch axis (a `jit` step with a sharded batch) are refused there.
+At JAX's compile hook the module is fused and simplified; there the pass inlines the fusions and
+groups every sum over the batch whose readers it proves read it as a mean (`_hook_plan`). Statistics
+XLA's partitioner sums over the whole batch axis (a `jit` step with a sharded batch, Keras's
+DataParallel, or spatial-partitioning's split of the batch) are regrouped, and what leaves the
+groups is averaged over them. Where those rewrites all lie between XLA's fusions (or in a value a
+fusion computes, which then gets a loop fusion of its own), they are made on XLA's fused module,
+whose fusions stay (`_Plan.onto`); otherwise the inlined module is handed back, each instruction
+in a fusion of its own.
 """
 from __future__ import annotations
 
@@ -73,6 +77,7 @@ from fractions import Fraction
 
 import numpy as np
 
+import hlo_tools
 from hlo_tools import HloComputation, HloInstruction, HloModule, Literal, ReplicaGroups, Shape, Sharding
 from hlo_tools.ir.opcodes import ELEMENTWISE
 from hlo_tools.ir.shape import FLOAT_DTYPES
@@ -166,15 +171,20 @@ class DistributedBatchNorm(HloPass):
             # gradient sit in different fusions (each recomputing shared producers). Inlined and
             # deduplicated, the dataflow is whole again.
             original = module.to_text()
-            inline_fusions(module.entry)
-            eliminate_common_subexpressions(module.entry)
+            origins, merged = {}, {}
+            inline_fusions(module.entry, origins)
+            between = {instr.name: instr for instr in module.entry.instructions if instr not in origins}
+            eliminate_common_subexpressions(module.entry, merged)
             module.entry.remove_dead_code()
+            twins = _Twins(origins, between, merged)
         try:
             targets = self._targets(module)
             plans = [self._hook_plan(module, t) if t.partitioned else self._plan(module, t) for t in targets]
         except Refusal as exc:
             self.report.append(f"{'not applicable' if isinstance(exc, NoBatch) else 'unchanged'}: {exc}")
             plans = []
+        if original is not None and self._apply_to_fused(module, original, plans, twins):
+            return True
         changed = False
         channel_ids = ChannelIds(module)
         for plan in plans:
@@ -190,6 +200,29 @@ class DistributedBatchNorm(HloPass):
             else:
                 restore(module, original)
         return changed
+
+    def _apply_to_fused(self, module: HloModule, original: str, plans: list["_Plan"], twins: "_Twins") -> bool:
+        """Apply the plans of the inlined module to XLA's fused one, keeping its fusions, when they
+        touch only what lies between fusions: in a jit step the sums to regroup are the all-reduces
+        XLA's partitioner put there, and what leaves the groups is an output, or a value a fusion
+        computes linearly from operands of the fusion that vary with the groups. Those operands
+        then become their means over the groups for the whole fusion, whose other readers of them
+        are linear too or leave the groups themselves, and nothing in it flows back into the
+        examples. Otherwise the pass keeps the inlined module."""
+        fused = hlo_tools.parse_module(original)
+        mapped = [_Plan.onto(plan, fused.entry, twins) for plan in plans]
+        if not plans or None in mapped:
+            return False
+        channel_ids = ChannelIds(fused)
+        if not any([plan.apply(fused, channel_ids) for plan in mapped]):
+            return False
+        fused.entry.remove_dead_code()   # the partitioner's all-reduces the groups' sums replace
+        fused.remove_dead_computations()   # the fused computations of fusions copied with a mean read in
+        wrap_in_fusions(fused.entry)     # the group sums' scaling: each in a fusion of its own
+        restore(module, fused.to_text())
+        self.report.insert(0, "the module was fused (JAX's compile hook): its fusions are inlined to find the "
+                              "statistics; the rewrite is at the all-reduces between XLA's fusions, which stay")
+        return True
 
     def _targets(self, module: HloModule):
         """(computation, {parameter number: batch dim}, device groups, 'devices'|'replicas') to rewrite."""
@@ -569,6 +602,38 @@ class _Plan:
     leaving: list = dataclasses.field(default_factory=list)           # values averaged over the groups
     axis: list[list[int]] = dataclasses.field(default_factory=list)   # the devices along the batch axis
 
+    @staticmethod
+    def onto(plan: "_Plan", entry: HloComputation, twins: "_Twins") -> "_Plan | None":
+        """The plan for `entry`, XLA's fused form of the entry it was made for (`twins` maps one to
+        the other); None unless every sum is an all-reduce over the batch axis between fusions and
+        each value leaving the groups is an output, or a linear function of what a fusion reads."""
+        if plan.statistics or plan.gradients or not plan.sums or any(s.scale == 1 for s in plan.sums):
+            return None
+        named = {i.name: i for i in entry.instructions}
+        sums = []
+        for batch_sum in plan.sums:
+            value = named.get(batch_sum.value.name)
+            if value is None or twins.of(None, value) is not batch_sum.value:
+                return None
+            if value.opcode == "get-tuple-element" and value.operand(0).opcode == "all-reduce":
+                local = value.operand(0).operand(value.attrs["index"])
+            elif value.opcode == "all-reduce" and not value.shape.is_tuple:
+                local = value.operand(0)
+            else:
+                return None
+            sums.append(dataclasses.replace(batch_sum, value=value, local=local))
+        varying = _users_closure([s.value for s in plan.sums])
+        leaving = []
+        for item in plan.leaving:
+            if item[0] == "output":
+                found = [item]
+            else:
+                found = twins.fused_edges(item[1], item[2], entry, varying, plan.info)
+                if found is None:
+                    return None
+            leaving += [edge for edge in found if edge not in leaving]
+        return dataclasses.replace(plan, sums=sums, leaving=leaving, info={})
+
     def apply(self, module: HloModule, channel_ids: ChannelIds) -> bool:
         found = self.statistics or self.sums
         if self.k == 1 or not found:
@@ -656,21 +721,16 @@ class _Plan:
         across = [[group[j] for group in self.groups if set(group) <= set(line)]
                   for line in self.axis for j in range(self.k)]
         means: dict[HloInstruction, HloInstruction] = {}
+        splits: dict[HloInstruction, list] = {}
         for leaving in self.leaving:
+            if leaving[0] == "split":
+                splits.setdefault(leaving[2], []).append(leaving[1])
+                continue
             value = root.operand(leaving[1]) if leaving[0] == "output" else self._regrouped.get(leaving[1], leaving[1])
             if value not in means:
                 order = {instr: i for i, instr in enumerate(comp.instructions)}
                 before = root if leaving[0] == "output" else min(value.users, key=order.__getitem__)
-                total = self._all_reduce(value, across, reducers, channel_ids, before)
-                total.rename(f"{value.name}.across")
-                scalar = Shape.array(value.shape.dtype, ())
-                share = comp.add_instruction("constant", (), scalar, name=f"{value.name}.share", before=before,
-                                             literal=Literal.parse(scalar, repr(1 / len(across[0]))))
-                shares = share if not value.shape.dims else comp.add_instruction(
-                    "broadcast", [share], value.shape, name=f"{value.name}.shares", attrs={"dimensions": ()},
-                    before=before)
-                means[value] = comp.add_instruction("multiply", [total, shares], value.shape,
-                                                    name=f"{value.name}.groups_mean", before=before)
+                means[value] = self._mean_across(value, across, reducers, channel_ids, before)
             if leaving[0] == "output":
                 root.set_operand(leaving[1], means[value])
                 where = f"output {leaving[1]}"
@@ -679,6 +739,52 @@ class _Plan:
                 where = f"%{leaving[2].name}"
             self.owner.report.append(f"%{value.name}: computed from the group statistics: {where} reads its mean "
                                      f"over the groups ({_groups_text(across)})")
+        for fusion, inners in splits.items():
+            self._split_leaving(fusion, inners, across, reducers, channel_ids)
+
+    def _mean_across(self, value: HloInstruction, across, reducers, channel_ids: ChannelIds,
+                     before: HloInstruction) -> HloInstruction:
+        """The mean of `value` over the groups: its all-reduce over `across` times 1/len(group)."""
+        comp = value.parent
+        total = self._all_reduce(value, across, reducers, channel_ids, before)
+        total.rename(f"{value.name}.across")
+        scalar = Shape.array(value.shape.dtype, ())
+        share = comp.add_instruction("constant", (), scalar, name=f"{value.name}.share", before=before,
+                                     literal=Literal.parse(scalar, repr(1 / len(across[0]))))
+        shares = share if not value.shape.dims else comp.add_instruction(
+            "broadcast", [share], value.shape, name=f"{value.name}.shares", attrs={"dimensions": ()}, before=before)
+        return comp.add_instruction("multiply", [total, shares], value.shape, name=f"{value.name}.groups_mean",
+                                    before=before)
+
+    def _split_leaving(self, fusion: HloInstruction, inners: list, across, reducers, channel_ids: ChannelIds) -> None:
+        """`fusion` reads the means over the groups of the values `inners` of its computation: each
+        is computed by a loop fusion of its own from `fusion`'s operands and averaged, and a copy of
+        `fusion` takes the means as new operands in their place."""
+        comp, module = fusion.parent, fusion.parent.parent
+        body = fusion.attrs["calls"]
+        order = list(body.post_order())
+        new_body = module.clone_computation(body, suffix="groups_mean")
+        twin = dict(zip(order, new_body.instructions))
+        operands = list(fusion.operands)
+        for inner in dict.fromkeys(inners):
+            part = module.clone_computation(body, suffix="leaving")
+            part.set_root(dict(zip(order, part.instructions))[inner])
+            part.remove_dead_code()
+            value = comp.add_instruction("fusion", _used_parameters(part, fusion.operands), inner.shape,
+                                         name=f"{fusion.name}.leaving", attrs={"kind": "kLoop", "calls": part},
+                                         before=fusion)
+            operands.append(self._mean_across(value, across, reducers, channel_ids, fusion))
+            parameter = new_body.add_parameter(inner.shape)
+            twin[inner].replace_all_uses_with(parameter)
+            self.owner.report.append(f"%{fusion.name}: computed from the group statistics: %{inner.name} in it "
+                                     f"reads its mean over the groups ({_groups_text(across)}), computed by a fusion "
+                                     f"of its own")
+        new_body.remove_dead_code()
+        replacement = comp.add_instruction("fusion", _used_parameters(new_body, operands), fusion.shape,
+                                           attrs={**fusion.attrs, "calls": new_body}, before=fusion)
+        fusion.replace_all_uses_with(replacement)
+        comp.remove_instruction(fusion)
+        replacement.rename(fusion.name)
 
     def _all_reduce(self, value: HloInstruction, groups, reducers, channel_ids: ChannelIds,
                     before: HloInstruction) -> HloInstruction:
@@ -782,7 +888,7 @@ class _BatchDims:
         if key not in self._calls:
             inner = self.analyse(callee, {n: x for n, x in enumerate(ins) if isinstance(x, int)})
             for n, x in enumerate(ins):
-                if x is not None and not isinstance(x, int):
+                if not _none(x) and not isinstance(x, int):
                     raise Refusal(f"%{instr.name} passes a tuple or opaque per-example value to %{callee.name}")
             for i in callee.instructions:
                 if i.opcode == "reduce" and _reduces_batch(i, inner):
@@ -1445,6 +1551,169 @@ def _flows_back(mean: HloInstruction, info: dict) -> bool:
                 return True
             stack.append(user)
     return False
+
+
+class _Twins:
+    """Which instruction of the inlined, deduplicated entry each instruction of XLA's fused entry
+    became: (fusion name, fused instruction name) for what was inside a fusion, (None, name) for
+    what was between fusions."""
+
+    _LINEAR_IN_ONE = frozenset({"negate", "convert", "copy", "bitcast", "reshape", "broadcast", "transpose", "slice"})
+
+    def __init__(self, origins: dict, between: dict, merged: dict):
+        def resolved(instr):
+            while instr in merged:
+                instr = merged[instr]
+            return instr
+        self._twin = {origin: resolved(instr) for instr, origin in origins.items()}
+        self._twin.update({(None, name): resolved(instr) for name, instr in between.items()})
+        self._reaching: dict[HloInstruction, bool] = {}
+        self._reaching_info: dict | None = None
+        self._copies: dict[HloInstruction, list] = {}   # inlined instruction -> its (fusion, copy) in the fused entry
+        self._copies_of: HloComputation | None = None
+
+    def reaches_examples(self, value: HloInstruction, info: dict) -> bool:
+        """Whether something computed from `value` (in the inlined entry) is per example; the output
+        tuple only passes its elements on."""
+        if self._reaching_info is not info:
+            reaching: dict[HloInstruction, bool] = {}
+            for instr in reversed(value.parent.post_order()):
+                reaching[instr] = any(_per_example(u, info) or reaching.get(u, False) for u in instr.users)
+            self._reaching, self._reaching_info = reaching, info
+        return self._reaching.get(value, True)
+
+    def of(self, fusion: HloInstruction | None, instr: HloInstruction) -> HloInstruction | None:
+        """The inlined twin of `instr`, an instruction of `fusion`'s computation (None: of the entry)."""
+        if fusion is None and instr.opcode == "fusion":   # a fusion's value is its root's
+            return self._twin.get((instr.name, instr.attrs["calls"].root.name))
+        return self._twin.get((fusion.name if fusion is not None else None, instr.name))
+
+    def fused_edges(self, value: HloInstruction, reader: HloInstruction, entry: HloComputation, varying: set,
+                    info: dict) -> list | None:
+        """("edge", operand, reader) in the fused entry for the inlined edge `value` -> `reader`: the
+        operands of the fusion holding each copy of `reader` that `value` is a linear function of
+        (with coefficients that do not vary with the groups), or `value` itself between fusions;
+        None if there is a copy it cannot place so."""
+        if self._copies_of is not entry:
+            self._copies: dict[HloInstruction, list] = {}
+            for instr in entry.instructions:
+                inside = instr.attrs["calls"].instructions if instr.opcode == "fusion" else ()
+                for fusion, copy in [(instr, i) for i in inside if i.opcode != "parameter"] or [(None, instr)]:
+                    self._copies.setdefault(self.of(fusion, copy), []).append((fusion, copy))
+            self._copies_of = entry
+        copies = self._copies.get(reader, [])
+        if not copies:
+            return None
+        edges = []
+        for fusion, copy in copies:
+            positions = [k for k, operand in enumerate(reader.operands) if operand is value]
+            for k in positions:
+                if fusion is None:
+                    if self.of(None, copy.operand(k)) is not value:
+                        return None
+                    edges.append(("edge", copy.operand(k), copy))
+                    continue
+                inner = copy.operand(k)
+                reads = self._linear_reads(fusion, inner, varying)
+                if reads is not None and all(_stays_out(fusion, operand, self, info) for operand in reads):
+                    edges += [("edge", operand, fusion) for operand in reads]
+                elif self._splittable(fusion, inner, info):
+                    edges.append(("split", inner, fusion))
+                else:
+                    return None
+        return edges
+
+    def _splittable(self, fusion: HloInstruction, inner: HloInstruction, info: dict) -> bool:
+        """Whether `inner` can be computed by a loop fusion of its own (elementwise work on the
+        fusion's operands) and read by `fusion` as a new operand: nothing `fusion` computes from it
+        is per example or flows back into the examples."""
+        ancestors, stack = set(), [inner]
+        while stack:
+            instr = stack.pop()
+            if instr in ancestors:
+                continue
+            ancestors.add(instr)
+            if instr.opcode not in _SPLITTABLE and instr.opcode not in ELEMENTWISE:
+                return False
+            stack += instr.operands
+        return _stays_out_of(fusion, [inner], self, info)
+
+    def _linear_reads(self, fusion: HloInstruction, instr: HloInstruction, varying: set) -> list | None:
+        """The operands of `fusion` varying with the groups that `instr` (in its computation) is a
+        linear function of, the other values it combines them with not varying; None if it is not one."""
+        if instr.opcode == "parameter":
+            operand = fusion.operand(instr.parameter_number)
+            return [operand] if self.of(None, operand) in varying else []
+        if self.of(fusion, instr) not in varying:
+            return []
+        varies = [o for o in instr.operands if
+                  (self.of(None, fusion.operand(o.parameter_number)) if o.opcode == "parameter"
+                   else self.of(fusion, o)) in varying]
+        op = instr.opcode
+        if (op in ("add", "subtract") or op in self._LINEAR_IN_ONE
+                or op == "multiply" and len(varies) == 1
+                or op == "divide" and varies == [instr.operand(0)] and instr.operand(1) is not instr.operand(0)):
+            reads = []
+            for operand in dict.fromkeys(varies):
+                found = self._linear_reads(fusion, operand, varying)
+                if found is None:
+                    return None
+                reads += [r for r in found if r not in reads]
+            return reads
+        return None
+
+
+def _used_parameters(body: HloComputation, operands: list) -> list:
+    """Remove the parameters of fused computation `body` nothing reads (XLA refuses them), number
+    the others again in order; the `operands` (one per old parameter) of the ones kept."""
+    kept = []
+    for parameter in body.parameters:
+        if parameter.users or parameter is body.root:
+            kept.append(operands[parameter.parameter_number])
+            parameter.parameter_number = len(kept) - 1
+        else:
+            body.remove_instruction(parameter)
+    body._signature_changed()
+    return kept
+
+
+def _users_closure(values) -> set:
+    """`values` and everything computed from them."""
+    found, stack = set(values), list(values)
+    while stack:
+        for user in stack.pop().users:
+            if user not in found:
+                found.add(user)
+                stack.append(user)
+    return found
+
+
+_SPLITTABLE = frozenset({"parameter", "constant", "broadcast", "bitcast", "reshape", "transpose", "convert", "copy"})
+
+
+def _stays_out(fusion: HloInstruction, value: HloInstruction, twins: _Twins, info: dict) -> bool:
+    """Whether nothing `fusion` computes from its operand `value` is per example or flows back into
+    the examples, by the batch dimensions `info` of their inlined twins (one the inlined module no
+    longer has answers no)."""
+    body = fusion.attrs["calls"]
+    return _stays_out_of(fusion, [body.parameter(n) for n, operand in enumerate(fusion.operands)
+                                  if operand is value], twins, info)
+
+
+def _stays_out_of(fusion: HloInstruction, stack: list, twins: _Twins, info: dict) -> bool:
+    """Whether nothing `fusion` computes from the instructions `stack` of its computation is per
+    example or flows back into the examples."""
+    seen: set[HloInstruction] = set()
+    while stack:
+        for user in stack.pop().users:
+            if user in seen:
+                continue
+            seen.add(user)
+            twin = twins.of(fusion, user)
+            if twin is None or twin not in info or _per_example(twin, info) or twins.reaches_examples(twin, info):
+                return False
+            stack.append(user)
+    return True
 
 
 def _gradient(broadcast: HloInstruction, means: set, signatures: set) -> _Gradient | None:
