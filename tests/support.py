@@ -1,6 +1,10 @@
 """Helpers shared by the test modules."""
 
+import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -38,3 +42,16 @@ def run_hlo_tools(capsys, *argv):
         status = exit_.code
     out, err = capsys.readouterr()
     return status, out, err
+
+
+def run_keras_tf_child(script: str, target: pathlib.Path, *args: str, timeout: int, **env: str) -> dict:
+    """Run `script TARGET ARGS...` in a child process with Keras on its TF backend (Keras picks its
+    backend when it is imported), the repository on its path and no XLA_PASSES* settings of the
+    caller's, plus `env`; the JSON it wrote to TARGET. A failing child fails the test with its stderr."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_PASSES")}
+    full_env.update(TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow",
+                    PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])), **env)
+    done = subprocess.run([sys.executable, os.path.abspath(script), str(target), *args], env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(pathlib.Path(target).read_text(encoding="utf-8"))

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 
 import pytest
+from support import run_keras_tf_child
 
 DEVICES = 8
 GROUP_SIZE = 2
@@ -53,15 +52,8 @@ def results(tmp_path_factory) -> dict:
     for package in ("tensorflow", "keras"):
         if importlib.util.find_spec(package) is None:
             pytest.skip(f"{package} is not installed")
-    target = tmp_path_factory.mktemp("dbn_tf") / "results.json"
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}",
-               PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
-    done = subprocess.run([sys.executable, __file__, str(target)], env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(target.read_text(encoding="utf-8"))
+    return run_keras_tf_child(__file__, tmp_path_factory.mktemp("dbn_tf") / "results.json", timeout=900,
+                              XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}")
 
 
 def _excess(run: dict, key: str) -> float:

@@ -132,6 +132,20 @@ def test_parameter_edits_regenerate_signature_and_layout():
     xla_bridge.canonical_text(text)  # XLA accepts it
 
 
+def test_removing_a_parameter_numbers_the_later_ones_again():
+    """Parsed text is printed verbatim until edited: the later parameter's number must be redone."""
+    m = hlo_tools.parse_module(SHORT)
+    entry = m.entry
+    entry.root.set_operand(1, entry.get("ar"))   # p0 is read by mul only
+    entry.get("mul").set_operand(0, entry.get("p1"))
+    entry.remove_parameter(entry.get("p0"))
+    text = m.to_text()
+    assert "p1 = f32[8]{0} parameter(0)" in text
+    assert "entry_computation_layout={(f32[8]{0})->f32[8]{0}}" in text
+    hlo_tools.verify(hlo_tools.parse_module(text))
+    xla_bridge.canonical_text(text)  # XLA accepts it
+
+
 def test_clone_computation_is_deep_and_independent():
     m = hlo_tools.parse_module(SHORT)
     add = m.computation("add")

@@ -29,12 +29,12 @@ import importlib.util
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 import pytest
+from support import run_keras_tf_child
 
 PASSES = "spatial-partitioning{num_partitions=4,split=0:1}"
 MODELS = ("ResNet50", "EfficientNetB0")
@@ -46,14 +46,7 @@ RTOL = 1e-5
 
 
 def _run_child(models: list[str], target) -> dict:
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow", JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
-    env = {k: v for k, v in env.items() if not k.startswith("XLA_PASSES")}
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), str(target), *models], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(target.read_text(encoding="utf-8"))
+    return run_keras_tf_child(__file__, target, *models, timeout=600, JAX_PLATFORMS="cpu")
 
 
 @pytest.mark.parametrize("model", MODELS)

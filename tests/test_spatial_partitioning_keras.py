@@ -9,11 +9,10 @@ and writes the results as JSON.
 """
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 
 import pytest
+from support import run_keras_tf_child
 
 PASSES = "spatial-partitioning{num_partitions=4,split=0:1}"
 
@@ -23,14 +22,7 @@ def results(tmp_path_factory) -> dict:
     for package in ("tensorflow", "keras"):
         if importlib.util.find_spec(package) is None:
             pytest.skip(f"{package} is not installed")
-    target = tmp_path_factory.mktemp("keras") / "results.json"
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow",
-               PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
-    done = subprocess.run([sys.executable, __file__, str(target)], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(target.read_text(encoding="utf-8"))
+    return run_keras_tf_child(__file__, tmp_path_factory.mktemp("keras") / "results.json", timeout=600)
 
 
 def test_small_keras_net_trains_as_in_tf(results):

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
+from support import run_keras_tf_child
 
 import hlo_tools
 import xla_passes
@@ -77,14 +76,7 @@ def _write_keras_steps(target: str) -> None:
 def keras_steps(tmp_path_factory) -> dict[str, str]:
     if importlib.util.find_spec("tensorflow") is None:
         pytest.skip("TensorFlow is not installed (pip install -e '.[tensorflow]')")
-    target = tmp_path_factory.mktemp("keras") / "steps.json"
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow",
-               PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
-    done = subprocess.run([sys.executable, __file__, str(target)], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(target.read_text(encoding="utf-8"))
+    return run_keras_tf_child(__file__, tmp_path_factory.mktemp("keras") / "steps.json", timeout=300)
 
 
 # --- the data-parallel program --------------------------------------------------------------------------

@@ -428,6 +428,17 @@ class HloComputation:
         return self.add_instruction("parameter", (), shape, name=name or f"param_{len(params)}",
                                     parameter_number=len(params), **anchor)
 
+    def remove_parameter(self, parameter: HloInstruction):
+        """Remove an unused parameter; the later ones move down a number (a fused computation's
+        caller then drops that operand)."""
+        number = parameter.parameter_number
+        self.remove_instruction(parameter)
+        for later in self.parameters:
+            if later.parameter_number > number:
+                later.parameter_number -= 1
+                later._touch()
+        self._signature_changed()
+
     def _insert(self, instr: HloInstruction, before=None, after=None):
         instr.parent = self
         instructions = self.instructions

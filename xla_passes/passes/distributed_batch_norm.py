@@ -1595,7 +1595,7 @@ class _Twins:
         (with coefficients that do not vary with the groups), or `value` itself between fusions;
         None if there is a copy it cannot place so."""
         if self._copies_of is not entry:
-            self._copies: dict[HloInstruction, list] = {}
+            self._copies = {}
             for instr in entry.instructions:
                 inside = instr.attrs["calls"].instructions if instr.opcode == "fusion" else ()
                 for fusion, copy in [(instr, i) for i in inside if i.opcode != "parameter"] or [(None, instr)]:
@@ -1666,14 +1666,9 @@ class _Twins:
 def _used_parameters(body: HloComputation, operands: list) -> list:
     """Remove the parameters of fused computation `body` nothing reads (XLA refuses them), number
     the others again in order; the `operands` (one per old parameter) of the ones kept."""
-    kept = []
-    for parameter in body.parameters:
-        if parameter.users or parameter is body.root:
-            kept.append(operands[parameter.parameter_number])
-            parameter.parameter_number = len(kept) - 1
-        else:
-            body.remove_instruction(parameter)
-    body._signature_changed()
+    kept = [operands[p.parameter_number] for p in body.parameters if p.users or p is body.root]
+    for parameter in [p for p in body.parameters if not p.users and p is not body.root]:
+        body.remove_parameter(parameter)
     return kept
 
 
