@@ -560,6 +560,38 @@ def test_dropout_drawn_inside_the_step_at_the_jax_hook(tmp_path):
                for x, y in zip(jax.tree.leaves(plain[1]), jax.tree.leaves(want[1]))) > 1e-3
 
 
+def test_only_a_sum_is_linear_among_reductions():
+    """The mean over the groups passes through a sum of a gradient, not through its maximum: a
+    max-reduce of what leaves the groups must read the mean, not give the mean of the groups' maxima."""
+    from xla_passes.passes.distributed_batch_norm import _combined_linearity
+
+    module = hlo_tools.parse_module("""HloModule reductions
+
+add {
+  a = f32[] parameter(0)
+  b = f32[] parameter(1)
+  ROOT c = f32[] add(a, b)
+}
+
+max {
+  a = f32[] parameter(0)
+  b = f32[] parameter(1)
+  ROOT c = f32[] maximum(a, b)
+}
+
+ENTRY main {
+  g = f32[4]{0} parameter(0)
+  zero = f32[] constant(0)
+  total = f32[] reduce(g, zero), dimensions={0}, to_apply=add
+  largest = f32[] reduce(g, zero), dimensions={0}, to_apply=max
+  ROOT t = (f32[], f32[]) tuple(total, largest)
+}
+""")
+    assert _combined_linearity(module.entry.get("total"), [1, 0]) == 1
+    assert _combined_linearity(module.entry.get("largest"), [1, 0]) is None
+    assert _combined_linearity(module.entry.get("largest"), [0, 0]) == 0
+
+
 def test_refuses_a_jit_program_before_spmd_partitioning():
     """JAX's lowering of a jit step with a sharded batch is one global program: its sums over the
     batch are whole, not per device, so there is nothing to group before XLA's partitioner runs

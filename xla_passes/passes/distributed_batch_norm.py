@@ -1508,7 +1508,7 @@ def _combined_linearity(instr: HloInstruction, ins: list) -> int | None:
         return ins[0] if ins[1] == 0 else None
     if op == "select":
         return max(ins[1:]) if ins[0] == 0 else None
-    if op in _LINEAR:
+    if op in _LINEAR and (op != "reduce" or reducer_opcode(instr.attrs["to_apply"]) == "add"):
         return max(ins)
     return 0 if max(ins) == 0 else None
 
