@@ -4,16 +4,19 @@ Hypothesis draws Flax convnets (one to three Conv + BatchNorm layers, optionally
 BatchNorm, 1 to 6 channels, 1x1 to 3x3 kernels, strides 1 and 2, 2x2 to 7x7 images, one to three
 examples per device, both variance forms) and runs each one step at JAX's compile hook
 (`xla_passes.jax.enable("distributed-batch-norm{group_size=k}", strict=True)`) on 8 CPU devices,
-with k of 2 or 4, in two program styles:
+with k of 2 or 4, in three program styles:
 
 * `shard_map`, per-device batch norm (`axis_name=None`): the loss and gradients averaged over the
   devices, each device's own gradients and new batch statistics;
 * `jit` with `NamedSharding` (XLA's partitioner synchronizes batch norm over every device), a full
-  sgd+momentum or adam step: the loss, the new parameters and optimizer state, the moving averages.
+  sgd+momentum or adam step: the loss, the new parameters and optimizer state, the moving averages;
+* `jax.pmap` with `BatchNorm(axis_name="batch")` over all 8 devices (flax's imagenet example), the
+  same optimizer step on the pmeaned gradients, every output per device.
 
 The reference is JAX's grouped batch norm: the same model with `BatchNorm(axis_name="members")`
 in a `shard_map` over a (8/k, k) mesh, its gradients put through the same optimizer and its
-per-device statistics averaged over the groups for the jit style. Small counts (one example of
+per-device statistics averaged over the groups for the jit style (each device keeps its group's
+in the pmap style). Small counts (one example of
 2x2 pixels: 4 elements) make the hook's folded constants ambiguous (0.5 is both a number and
 2/4), which the pass must solve, not guess.
 
@@ -22,8 +25,11 @@ the float32 reference's own error there: the grouped sums are added in another o
 and where a statistic has four elements `rsqrt(var + eps)` magnifies that (one such case, found by
 the long profile, is pinned with `@example`). The pass may
 refuse a step (XLA's own then runs): the plugin must log the reason, and the step must then
-equal the plain one. It refuses one example per device (XLA drops the unit batch dimension at
-the hook), which hypothesis draws too.
+equal the plain one. It refuses one example per device in the shard_map style (XLA drops the
+unit batch dimension at the hook, and a statistic over one example's pixels is then a per-example
+pooling), which hypothesis draws too; in the jit and pmap styles batch norm sums the statistics
+over the devices, and those it groups. In the pmap style the images are the arguments a
+convolution reads, and XLA computes a 1x1 one as a dot: with a 1x1 first layer it may refuse.
 
 Run: `pytest tests/test_distributed_batch_norm_properties.py` (profile `ci`: derandomized, the
 example counts below); `HYPOTHESIS_PROFILE=long` tries 10 times as many, randomly.
@@ -58,8 +64,8 @@ class Case:
     image: int
     batch_per_device: int
     group_size: int
-    style: str                                  # "shard_map" or "jit"
-    optimizer: str                              # the jit style's: "sgd" or "adam"
+    style: str                                  # "shard_map", "jit" or "pmap"
+    optimizer: str                              # the jit and pmap styles': "sgd" or "adam"
 
 
 @st.composite
@@ -67,7 +73,7 @@ def cases(draw) -> Case:
     layers = tuple(draw(st.tuples(st.integers(1, 6), st.integers(1, 3), st.sampled_from([1, 2])))
                    for _ in range(draw(st.integers(1, 3))))
     return Case(layers, draw(st.booleans()), draw(st.booleans()), draw(st.integers(2, 7)), draw(st.integers(1, 3)),
-                draw(st.sampled_from([2, 4])), draw(st.sampled_from(["shard_map", "jit"])),
+                draw(st.sampled_from([2, 4])), draw(st.sampled_from(["shard_map", "jit", "pmap"])),
                 draw(st.sampled_from(["sgd", "adam"])))
 
 
@@ -149,7 +155,23 @@ def _jit_step(case: Case):
     return step
 
 
-def _at_the_flag(step, args, passes: str):
+def _pmap_step(case: Case):
+    model, tx = Net(case, axis_name="batch"), _optimizer(case)
+
+    def step(params, stats, opt_state, images, labels):
+        (loss, new_stats), grads = jax.value_and_grad(functools.partial(_loss, model), has_aux=True)(
+            params, stats, images, labels)
+        changes, opt_state = tx.update(jax.lax.pmean(grads, "batch"), opt_state, params)
+        return jax.lax.pmean(loss, "batch"), optax.apply_updates(params, changes), new_stats, opt_state
+
+    return step
+
+
+def _per_device(tree):
+    return jax.tree.map(lambda a: np.stack([np.asarray(a)] * 8), tree)
+
+
+def _at_the_flag(step, args, passes: str, style: str):
     """The step compiled with the pass at the hook, and what the plugin logged about it."""
     lines: list[str] = []
     handler = logging.Handler(logging.INFO)
@@ -160,11 +182,14 @@ def _at_the_flag(step, args, passes: str):
     logger.setLevel(logging.INFO)
     try:
         with xla_passes.jax.enable(passes, strict=True):
-            compiled = jax.jit(lambda *a: step(*a)).lower(*args).compile()
+            if style == "pmap":
+                got = jax.pmap(lambda *a: step(*a), axis_name="batch")(*args)
+            else:
+                got = jax.jit(lambda *a: step(*a)).lower(*args).compile()(*args)
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
-    return compiled(*args), [line for line in lines if "jit__lambda" in line]
+    return got, [line for line in lines if "jit__lambda" in line or (style == "pmap" and "jit__fun" in line)]
 
 
 def _expected(case: Case, params, stats, opt_state, images, labels):
@@ -173,6 +198,8 @@ def _expected(case: Case, params, stats, opt_state, images, labels):
     if case.style == "shard_map":
         return loss, grads, device_grads, device_stats
     changes, new_opt_state = _optimizer(case).update(grads, opt_state, params)
+    if case.style == "pmap":
+        return (*_per_device((loss, optax.apply_updates(params, changes))), device_stats, _per_device(new_opt_state))
     return (loss, optax.apply_updates(params, changes), jax.tree.map(lambda a: a.mean(axis=0), device_stats),
             new_opt_state)
 
@@ -210,10 +237,14 @@ def test_at_the_flag_equals_jax_grouped_batch_norm(case):
     if case.style == "shard_map":
         step = _shard_map_step(case)[1]
         args = (params, stats, *batch)
+    elif case.style == "pmap":
+        step = _pmap_step(case)
+        args = (*_per_device((params, stats, opt_state)),
+                *(np.reshape(a, (8, case.batch_per_device, *np.shape(a)[1:])) for a in (images, labels)))
     else:
         step = _jit_step(case)
         args = (params, stats, opt_state, *batch)
-    got, outcomes = _at_the_flag(step, args, passes)
+    got, outcomes = _at_the_flag(step, args, passes, case.style)
     changed = any("changed by distributed-batch-norm" in line for line in outcomes)
     if changed:
         event(f"{case.style}: grouped")
@@ -221,7 +252,11 @@ def test_at_the_flag_equals_jax_grouped_batch_norm(case):
     else:
         reasons = [line.split("unchanged: ", 1)[1] for line in outcomes if ": unchanged: " in line]
         assert reasons, outcomes   # a refusal says why
-        assert case.batch_per_device == 1, f"{case}: refused: {reasons[0]}"   # the one case it does not handle
+        one_example = case.batch_per_device == 1 and case.style == "shard_map"
+        # XLA computes a 1x1 convolution as a dot: then no convolution reads a pmap step's images
+        no_convolution = case.style == "pmap" and case.layers[0][1] == 1 and "no entry parameter feeding a " \
+            "convolution's input" in reasons[0]
+        assert one_example or no_convolution, f"{case}: refused: {reasons[0]}"
         event(f"{case.style}: refused: {reasons[0].split(':')[0]}")
-        plain = jax.jit(step)(*args)
+        plain = jax.pmap(step, axis_name="batch")(*args) if case.style == "pmap" else jax.jit(step)(*args)
         _assert_close(got, plain, plain, f"{case}: refused, so XLA's own step")

@@ -41,12 +41,13 @@ class ConvNet(nn.Module):
     axis_name: str | None = None
     classes: int = 5
     fast_variance: bool = True   # False: the variance as the mean of (x - mean)^2
+    axis_index_groups: object = None
 
     @nn.compact
     def __call__(self, x, train: bool = True):
         norm = functools.partial(nn.BatchNorm, use_running_average=not train, momentum=0.9,
                                  axis_name=self.axis_name if train else None,
-                                 use_fast_variance=self.fast_variance)
+                                 use_fast_variance=self.fast_variance, axis_index_groups=self.axis_index_groups)
         x = nn.relu(norm()(nn.Conv(8, (3, 3), use_bias=False)(x)))
         x = nn.relu(norm()(nn.Conv(8, (3, 3), strides=(2, 2), use_bias=False)(x)))
         return nn.Dense(self.classes)(x.mean(axis=(1, 2)))
@@ -477,16 +478,8 @@ def test_resnet_at_the_jax_hook_equals_jax_grouped_batch_norm():
     _assert_close(got, reference)
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-def test_jit_with_a_sharded_batch_at_the_jax_hook_equals_jax_grouped_batch_norm(optimizer):
-    """jit with NamedSharding: XLA's partitioner sums the statistics over every device. The pass
-    regroups them, and the values that leave the groups (gradients built from the statistics, the
-    moving averages) get the mean over the groups before the optimizer reads them, so that a
-    nonlinear optimizer (adam) updates with the grouped step's gradient."""
-    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
-    model = ConvNet(axis_name=None)
-    tx = optax.sgd(0.1, momentum=0.9) if optimizer == "sgd" else optax.adam(1e-2)
-
+def _jit_step(model, tx):
+    """A jit training step: loss, new parameters, new batch statistics, new optimizer state."""
     def step(params, stats, opt_state, images, labels):
         def loss_fn(p):
             logits, updates = model.apply({"params": p, "batch_stats": stats}, images, mutable=["batch_stats"])
@@ -494,7 +487,18 @@ def test_jit_with_a_sharded_batch_at_the_jax_hook_equals_jax_grouped_batch_norm(
         (loss, updates), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         changes, opt_state = tx.update(grads, opt_state, params)
         return loss, optax.apply_updates(params, changes), updates["batch_stats"], opt_state
+    return step
 
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_jit_with_a_sharded_batch_at_the_jax_hook_equals_jax_grouped_batch_norm(optimizer):
+    """jit with NamedSharding: XLA's partitioner sums the statistics over every device. The pass
+    regroups them, and the values that leave the groups (gradients built from the statistics, the
+    moving averages) get the mean over the groups before the optimizer reads them, so that a
+    nonlinear optimizer (adam) updates with the grouped step's gradient."""
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    tx = optax.sgd(0.1, momentum=0.9) if optimizer == "sgd" else optax.adam(1e-2)
+    step = _jit_step(ConvNet(axis_name=None), tx)
     params, stats = _variables()
     args = (params, stats, tx.init(params), *_data(mesh, P("data")))
     got = _at_the_hook(step, args)
@@ -558,6 +562,162 @@ def test_dropout_drawn_inside_the_step_at_the_jax_hook(tmp_path):
     plain = jax.jit(step)(*args)
     assert max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
                for x, y in zip(jax.tree.leaves(plain[1]), jax.tree.leaves(want[1]))) > 1e-3
+
+
+def _pmap_step(model, tx):
+    """A `jax.pmap` training step as flax's imagenet example writes it: per-device loss, gradients
+    averaged with `pmean`, every output per device."""
+    def step(params, stats, opt_state, images, labels):
+        def loss_fn(p):
+            logits, updates = model.apply({"params": p, "batch_stats": stats}, images, mutable=["batch_stats"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), updates
+        (loss, updates), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        changes, opt_state = tx.update(jax.lax.pmean(grads, "batch"), opt_state, params)
+        return (jax.lax.pmean(loss, "batch"), optax.apply_updates(params, changes), updates["batch_stats"],
+                opt_state)
+    return step
+
+
+def _pmap_args(variables, tx, batch_per_device=BATCH_PER_DEVICE):
+    params, stats = variables["params"], variables.get("batch_stats", {})
+    rng = np.random.default_rng(1)
+    images = rng.standard_normal((8, batch_per_device, *IMAGE)).astype(np.float32) * 2 + 0.5
+    labels = rng.integers(0, 5, (8, batch_per_device)).astype(np.int32)
+    replicated = functools.partial(jax.tree.map, lambda a: np.stack([np.asarray(a)] * 8))
+    return replicated(params), replicated(stats), replicated(tx.init(params)), images, labels
+
+
+def _pmap_at_the_hook(step, args, passes):
+    with xla_passes.jax.enable(passes, strict=True, dump_to=None):
+        return jax.pmap(lambda *a: step(*a), axis_name="batch")(*args)
+
+
+def _assert_step_close(got, want, plain, label):
+    for name, a, b in zip(("loss", "params", "batch stats", "optimizer state"), got, want):
+        worst = max((float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+                     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))), default=0.0)
+        print(f"at the hook, {label}, {name}: max abs difference {worst:.2e}")
+    _assert_close(got, want)
+    assert max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+               for x, y in zip(jax.tree.leaves(plain[1:3]), jax.tree.leaves(want[1:3]))) > 1e-3
+
+
+GROUPS_OF_TWO = [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_pmap_step_at_the_jax_hook_equals_jax_grouped_batch_norm(optimizer):
+    """jax.pmap with `BatchNorm(axis_name="batch")`, flax's imagenet example: the statistics are
+    pmeaned over all 8 devices (one all-reduce of the devices' means; JAX's transpose divides by
+    the devices before its all-reduce). The pass regroups them, and every output stays each
+    device's own: equal to `BatchNorm(axis_index_groups=...)`, each device with its group's
+    moving averages."""
+    tx = optax.sgd(0.1, momentum=0.9) if optimizer == "sgd" else optax.adam(1e-2)
+    params, stats = _variables()
+    args = _pmap_args({"params": params, "batch_stats": stats}, tx)
+    got = _pmap_at_the_hook(_pmap_step(ConvNet(axis_name="batch"), tx), args, "distributed-batch-norm{group_size=2}")
+    grouped = ConvNet(axis_name="batch", axis_index_groups=GROUPS_OF_TWO)
+    want = jax.pmap(_pmap_step(grouped, tx), axis_name="batch")(*args)
+    plain = jax.pmap(_pmap_step(ConvNet(axis_name="batch"), tx), axis_name="batch")(*args)
+    _assert_step_close(got, want, plain, f"pmap, {optimizer}")
+
+
+def test_resnet_pmap_step_at_the_jax_hook_equals_jax_grouped_batch_norm():
+    """The zoo's ResNet (flax's imagenet example: `BatchNorm(axis_name="data")`) in a `jax.pmap`
+    step with adam: equal to the ResNet whose BatchNorm averages over groups of 2 devices (a (4, 2)
+    mesh), each device keeping its group's statistics."""
+    from xla_passes import models  # noqa: PLC0415
+
+    spec = models.small_resnet()
+    tx = optax.adam(1e-2)
+    reference_step, (params, state, images, labels) = _resnet_step(2)
+
+    def step(params, state, opt_state, images, labels):
+        loss, grads, updates = models.loss_and_gradients(spec, params, state, images, labels)
+        changes, opt_state = tx.update(jax.lax.pmean(grads, "data"), opt_state, params)
+        return jax.lax.pmean(loss, "data"), optax.apply_updates(params, changes), updates, opt_state
+
+    per_device = functools.partial(jax.tree.map, lambda a: np.asarray(a).reshape(8, -1, *np.shape(a)[1:]))
+    replicated = functools.partial(jax.tree.map, lambda a: np.stack([np.asarray(a)] * 8))
+    args = (replicated(params), replicated(state), replicated(tx.init(params)), *per_device((images, labels)))
+    with xla_passes.jax.enable("distributed-batch-norm{group_size=2}", strict=True, dump_to=None):
+        got = jax.pmap(lambda *a: step(*a), axis_name="data")(*args)
+    loss, grads, _, device_updates = jax.jit(reference_step)(params, state, images, labels)
+    changes, opt_state = tx.update(grads, tx.init(params), params)
+    want = (loss, optax.apply_updates(params, changes), device_updates, opt_state)
+    want = (*replicated((want[0], want[1])), want[2], replicated(want[3]))
+    plain = jax.pmap(step, axis_name="data")(*args)
+    _assert_step_close(got, want, plain, "pmap, ResNet, adam")
+
+
+@pytest.mark.parametrize("style", ["pmap", "jit", "shard_map"])
+def test_one_example_per_device(style, caplog):
+    """One example per device, where grouping matters most: XLA drops the unit batch dimension at
+    the hook, so the pass follows only which values are the device's example's. Where batch norm
+    sums the statistics over the devices (jax.pmap with axis_name, a jit step with a sharded batch)
+    those sums are the statistics, regrouped as with more examples; in a shard_map step with
+    per-device batch norm a sum over the example's pixels is also what a pooling computes, and
+    the pass refuses."""
+    tx = optax.adam(1e-2)
+    params, stats = _variables()
+    args = _pmap_args({"params": params, "batch_stats": stats}, tx, batch_per_device=1)
+    want = jax.pmap(_pmap_step(ConvNet(axis_name="batch", axis_index_groups=GROUPS_OF_TWO), tx),
+                    axis_name="batch")(*args)
+    if style == "pmap":
+        got = _pmap_at_the_hook(_pmap_step(ConvNet(axis_name="batch"), tx), args,
+                                "distributed-batch-norm{group_size=2}")
+        plain = jax.pmap(_pmap_step(ConvNet(axis_name="batch"), tx), axis_name="batch")(*args)
+        _assert_step_close(got, want, plain, "pmap, one example per device")
+        return
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    images, labels = jax.device_put((args[3].reshape(8, *IMAGE), args[4].reshape(8)), NamedSharding(mesh, P("data")))
+    if style == "jit":
+        jit_args = (params, stats, tx.init(params), images, labels)
+        got = _at_the_hook(_jit_step(ConvNet(axis_name=None), tx), jit_args)
+        first = functools.partial(jax.tree.map, lambda a: np.asarray(a)[0])
+        grouped = (*first((want[0], want[1])), jax.tree.map(lambda a: np.asarray(a).mean(axis=0), want[2]),
+                   first(want[3]))   # the moving averages: the mean over the groups
+        plain = (None, *jax.jit(_jit_step(ConvNet(axis_name=None), tx))(*jit_args)[1:])
+        _assert_step_close(got, grouped, plain, "jit, one example per device")
+        return
+    step = jax.shard_map(_step(ConvNet(axis_name=None), "data"), mesh=mesh,
+                         in_specs=(P(), P(), P("data"), P("data")), out_specs=(P(), P(), P("data"), P("data")),
+                         check_vma=False)
+    with caplog.at_level("INFO", logger="xla_passes"):
+        got = _at_the_hook(step, (params, stats, images, labels))
+    _assert_close(got, jax.jit(step)(params, stats, images, labels))
+    assert any("unchanged: one example per device" in r.getMessage() for r in caplog.records)
+
+
+class PmapMLP(nn.Module):
+    """Dense + BatchNorm(axis_name) with no convolution: the pass cannot tell the images from the
+    weights, all mapped over the devices alike, without batch_parameters=."""
+
+    axis_index_groups: object = None
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        x = x.reshape(x.shape[0], -1)
+        x = nn.BatchNorm(use_running_average=False, momentum=0.9, axis_name="batch",
+                         axis_index_groups=self.axis_index_groups)(nn.Dense(16)(x))
+        return nn.Dense(5)(nn.relu(x))
+
+
+def test_pmap_step_without_a_convolution_needs_batch_parameters(caplog):
+    tx = optax.sgd(0.1)
+    variables = PmapMLP().init(jax.random.key(0), jnp.zeros((1, *IMAGE)))
+    args = _pmap_args(variables, tx)
+    step = _pmap_step(PmapMLP(), tx)
+    plain = jax.pmap(step, axis_name="batch")(*args)
+    with caplog.at_level("INFO", logger="xla_passes"):
+        unchanged = _pmap_at_the_hook(step, args, "distributed-batch-norm{group_size=2}")
+    _assert_close(unchanged, plain)
+    assert any("no entry parameter feeding a convolution's input: name its batch parameters with "
+               "batch_parameters=" in r.getMessage() for r in caplog.records)
+    images = len(jax.tree.leaves(args[:3]))   # the entry parameters are the flattened arguments
+    got = _pmap_at_the_hook(step, args, f"distributed-batch-norm{{group_size=2,batch_parameters={images}}}")
+    want = jax.pmap(_pmap_step(PmapMLP(axis_index_groups=GROUPS_OF_TWO), tx), axis_name="batch")(*args)
+    _assert_step_close(got, want, plain, "pmap, Dense with batch_parameters=")
 
 
 def test_only_a_sum_is_linear_among_reductions():

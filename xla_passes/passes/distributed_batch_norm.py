@@ -62,15 +62,19 @@ At JAX's compile hook the module is fused and simplified; there the pass inlines
 groups every sum over the batch whose readers it proves read it as a mean (`_hook_plan`). Statistics
 XLA's partitioner sums over the whole batch axis (a `jit` step with a sharded batch, Keras's
 DataParallel, or spatial-partitioning's split of the batch) are regrouped, and what leaves the
-groups is averaged over them. Where those rewrites all lie between XLA's fusions (or in a value a
-fusion computes, which then gets a loop fusion of its own), they are made on XLA's fused module,
-whose fusions stay (`_Plan.onto`); otherwise the inlined module is handed back, each instruction
-in a fusion of its own.
+groups is averaged over them; a `jax.pmap` step's `BatchNorm(axis_name=...)` sums are regrouped
+too, each device keeping its outputs, which are proven to be means. With one example per device
+XLA drops the batch dimension, and only those sums over the devices are grouped. Where the
+rewrites lie between XLA's fusions (an all-reduce of the partitioner, a fusion whose value is a
+device's own sum, a value a fusion computes, which then gets a loop fusion of its own), they are
+made on XLA's fused module, whose fusions stay (`_Plan.onto`); otherwise the inlined module is
+handed back, each instruction in a fusion of its own.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 import re
 from fractions import Fraction
@@ -90,6 +94,7 @@ from .call_inliner import inline_fusions, wrap_in_fusions
 from .cse import eliminate_common_subexpressions
 
 OPAQUE = -1  # a per-example value whose batch dimension the analysis cannot name
+WHOLE = -2   # one example per device: the value is that example's, wherever its unit batch dimension went
 _UNIT_SHAPE_OPS = frozenset({"reshape", "bitcast"})
 
 
@@ -136,6 +141,7 @@ class _Target:
     mode: str                     # "devices" (flattened ids) or "replicas"
     axis: list[list[int]]         # the devices along the batch axis, a line for each position on the other axes
     partitioned: bool = False     # the entry of an SPMD-partitioned program (JAX's hook)
+    per_device: bool = False      # a pmap step: its outputs are each device's own
 
 
 @register_pass
@@ -220,8 +226,10 @@ class DistributedBatchNorm(HloPass):
         fused.remove_dead_computations()   # the fused computations of fusions copied with a mean read in
         wrap_in_fusions(fused.entry)     # the group sums' scaling: each in a fusion of its own
         restore(module, fused.to_text())
-        self.report.insert(0, "the module was fused (JAX's compile hook): its fusions are inlined to find the "
-                              "statistics; the rewrite is at the all-reduces between XLA's fusions, which stay")
+        where = ("at the all-reduces between XLA's fusions" if any(s.scale > 1 for plan in mapped for s in plan.sums)
+                 else "after XLA's fusions that compute each device's sums")
+        self.report.insert(0, f"the module was fused (JAX's compile hook): its fusions are inlined to find the "
+                              f"statistics; the rewrite is {where}, which stay")
         return True
 
     def _targets(self, module: HloModule):
@@ -234,12 +242,12 @@ class DistributedBatchNorm(HloPass):
             found = self._shard_map_body(module, call)
             if found is not None:
                 targets.append(found)
-        if not targets and not self._batch_numbers:
+        if targets and self._batch_numbers:
+            raise Refusal("batch_parameters= is for replica and pmap programs; this module is a shard_map program")
+        if not targets:
             found = self._partitioned_entry(module)
             if found is not None:
                 targets.append(found)
-        if targets and self._batch_numbers:
-            raise Refusal("batch_parameters= is for replica programs; this module is a shard_map program")
         if not targets:
             if not self._batch_numbers:
                 raise NoBatch("no per-device batch: no shard_map operand and no entry parameter is split over "
@@ -349,7 +357,34 @@ class DistributedBatchNorm(HloPass):
             raise Refusal("the entry parameters are split over different device axes (a model-parallel weight "
                           "beside the batch?): cannot tell which is the batch; run the pass on JAX's lowering "
                           "with xla_passes.jax.jit")
-        return _Target(entry, split, self._device_groups(lines), "devices", lines, partitioned=True)
+        per_device = _pmap_style(entry, split)
+        if per_device:
+            split = self._pmap_examples(entry, split)
+        elif self._batch_numbers:
+            raise Refusal("batch_parameters= is for replica and pmap programs; this module's sharding splits "
+                          "its batch")
+        return _Target(entry, split, self._device_groups(lines), "devices", lines, partitioned=True,
+                       per_device=per_device)
+
+    def _pmap_examples(self, entry: HloComputation, split: dict[int, int]) -> dict[int, int]:
+        """A pmap step maps every argument, weights included, over the devices, a slice each: the
+        examples are the leading dimension of the slice in the images (entry parameters that feed a
+        convolution's input), or in the parameters `batch_parameters=` names."""
+        if self._batch_numbers:
+            missing = [n for n in self._batch_numbers if n not in split]
+            if missing:
+                raise Refusal(f"batch_parameters: entry parameter {missing[0]} is not mapped over the devices")
+            chosen = set(self._batch_numbers)
+        else:
+            chosen = {source.parameter_number for instr in entry.instructions if instr.opcode == "convolution"
+                      for source in [_image_source(instr.operand(0))]
+                      if source is not None and source.parameter_number in split}
+        if not chosen:
+            communicates = any(i.opcode == "all-reduce" and self._over_axis(i) for i in entry.instructions)
+            raise (Refusal if communicates else NoBatch)(
+                "a pmap step (every argument mapped over the devices) with no entry parameter feeding a "
+                "convolution's input: name its batch parameters with batch_parameters=")
+        return {n: 1 if split[n] == 0 else 0 for n in sorted(chosen)}
 
     def _device_groups(self, lines: list[list[int]]) -> list[list[int]]:
         positions = self._position_groups(len(lines[0]))
@@ -426,8 +461,10 @@ class DistributedBatchNorm(HloPass):
         the group's sum divided by k, for every reader, which is the group's statistic wherever the
         program reads the sum scaled by 1/count. `_check_means` proves it does."""
         comp = target.comp
-        info = _BatchDims(module).analyse(comp, target.params)
         self._axis = {frozenset(line) for line in target.axis}
+        analysis = _BatchDims(module, self._over_axis)
+        info = analysis.analyse(comp, target.params)
+        one_example = analysis.batch_size == 1
         lost = [i for i in comp.instructions if i.opcode == "reduce" and info.get(i.operand(0)) == OPAQUE]
         if lost:
             raise Refusal(f"the analysis lost the batch dimension of what %{lost[0].name} reduces (through "
@@ -443,6 +480,8 @@ class DistributedBatchNorm(HloPass):
                 self.report.append(f"%{instr.name}: kept: sums over the batch and does not flow back into the "
                                    f"examples (a gradient, a loss or a total)")
                 continue
+            if one_example and instr.opcode == "all-reduce":
+                continue   # a sum over the devices' examples: _synchronized_sums
             reducer = instr.attrs.get("to_apply")
             if (instr.opcode != "reduce" or instr.shape.is_tuple or instr.shape.dtype not in FLOAT_DTYPES
                     or not isinstance(reducer, HloComputation) or reducer_opcode(reducer) != "add"
@@ -452,21 +491,35 @@ class DistributedBatchNorm(HloPass):
             sources[instr] = math.prod(instr.operand(0).shape.dims[d] for d in instr.attrs.get("dimensions", ()))
             if "direct" in how:
                 sums.append(_BatchSum(instr, instr, sources[instr], _is_backward(instr), reducer))
-        synchronized = self._synchronized_sums(comp, info, len(target.axis[0]))
+        synchronized = self._synchronized_sums(comp, info, len(target.axis[0]), target.per_device)
+        if one_example and not synchronized:
+            raise Refusal("one example per device: XLA has dropped its unit batch dimension, and a sum over the "
+                          "example's pixels is then the same computation as a per-example pooling; the pass "
+                          "groups statistics of one example only where batch norm sums them over the devices "
+                          "(a jit step with a sharded batch, jax.pmap with axis_name)")
         if synchronized and sums:
             raise Refusal(f"%{synchronized[0].value.name} sums statistics over the whole batch axis while "
                           f"%{sums[0].value.name} is a device's own: a mix the pass does not group")
         sums += synchronized
         if not sums:
             return _Plan(self, [], [], target.groups, target.mode, len(target.groups[0]))
-        _check_means(comp, info, sources, sums, self._over_axis)
-        leaving = self._leaving_the_groups(comp, info, synchronized) if synchronized else []
+        leaving = self._leaving_the_groups(comp, info, synchronized, target.per_device) if synchronized else []
+        exits = leaving if target.per_device else []
+        _check_means(comp, info, sources, sums, self._over_axis, exits,
+                     axis_size=len(target.axis[0]) if synchronized else 0)
+        if target.per_device:
+            self.report.append(f"a pmap step: each device's outputs are its own, so each keeps its group's values; "
+                               f"the {len(exits)} values computed from the group statistics that leave them "
+                               f"(outputs, or read by what does not flow back into the examples) are means")
+            leaving = []
         return _Plan(self, [], [], target.groups, target.mode, len(target.groups[0]), sums, info, leaving,
                      [line for line in target.axis])
 
-    def _synchronized_sums(self, comp: HloComputation, info: dict, axis_size: int) -> list[_BatchSum]:
-        """XLA's partitioner sums a jit program's statistics over the whole batch: all-reduces over
-        the batch axis whose results flow back into the examples."""
+    def _synchronized_sums(self, comp: HloComputation, info: dict, axis_size: int,
+                           per_device: bool) -> list[_BatchSum]:
+        """XLA's partitioner sums a jit program's statistics over the whole batch, and a pmap step's
+        `BatchNorm(axis_name=...)` does: all-reduces over the batch axis whose results flow back into
+        the examples."""
         found = []
         for instr in comp.instructions:
             if instr.opcode != "all-reduce" or not self._over_axis(instr):
@@ -476,7 +529,7 @@ class DistributedBatchNorm(HloPass):
             for value, local in elements:
                 if not _reaches(value, info, set()):
                     continue
-                if _in_shard_map(instr):
+                if _in_shard_map(instr) and not per_device:
                     raise Refusal(f"%{instr.name} sums statistics over the whole batch axis in a shard_map step "
                                   f"(batch norm with axis_name): use axis_name=None and let the pass group them")
                 if value.shape.dtype not in FLOAT_DTYPES or reducer_opcode(instr.attrs["to_apply"]) != "add":
@@ -485,7 +538,8 @@ class DistributedBatchNorm(HloPass):
                 found.append(_BatchSum(value, local, 0, _is_backward(local), instr.attrs["to_apply"], axis_size))
         return found
 
-    def _leaving_the_groups(self, comp: HloComputation, info: dict, synchronized: list[_BatchSum]) -> list:
+    def _leaving_the_groups(self, comp: HloComputation, info: dict, synchronized: list[_BatchSum],
+                            per_device: bool = False) -> list:
         """Where values computed from the group statistics leave for the rest of a jit step, which
         needs what JAX's grouped batch norm gives there: the mean over the groups.
 
@@ -495,7 +549,10 @@ class DistributedBatchNorm(HloPass):
         made of the statistics alone (a moving average) has the mean of each group's. So the mean
         is taken where linearity ends: at an output, or on the way into a nonlinear instruction
         that does not flow back into the examples (adam's square of a gradient). Returns
-        ("edge", value, reader): `reader` reads the mean of `value`; and ("output", number)."""
+        ("edge", value, reader): `reader` reads the mean of `value`; and ("output", number).
+
+        In a pmap step (`per_device`) every value leaving the groups is returned: each device keeps
+        its own, which `_check_means` proves is its group's value."""
         seeds = {s.value: (1 if s.backward else 0) for s in synchronized}
         back: dict[HloInstruction, bool] = {}
 
@@ -517,6 +574,9 @@ class DistributedBatchNorm(HloPass):
             found = _combined_linearity(instr, ins)
             if found is None and not flows_back(instr):
                 varying = [o for o in instr.operands if o in linear]
+                if per_device:
+                    leaving += [("edge", o, instr) for o in dict.fromkeys(varying)]
+                    continue
                 if any(linear[o] == 0 for o in varying) or any(linear[o] is None for o in varying):
                     raise Refusal(f"%{instr.name} takes the group statistics out of their groups, not linearly in "
                                   f"the backward sums: the mean of its groups' values is not the grouped step's")
@@ -530,6 +590,9 @@ class DistributedBatchNorm(HloPass):
         root = comp.root
         for number, output in enumerate(root.operands if root.opcode == "tuple" else [root]):
             if output in linear:
+                if per_device:
+                    leaving.append(("output", number))
+                    continue
                 if linear[output] is None or output.shape.is_tuple or output.shape.dtype not in FLOAT_DTYPES:
                     raise Refusal(f"output {number} (%{output.name}) is computed from the group statistics and "
                                   f"cannot be averaged over the groups")
@@ -601,13 +664,19 @@ class _Plan:
     info: dict = dataclasses.field(default_factory=dict)              # the batch dimensions, at JAX's hook
     leaving: list = dataclasses.field(default_factory=list)           # values averaged over the groups
     axis: list[list[int]] = dataclasses.field(default_factory=list)   # the devices along the batch axis
+    reads: object = None   # (user, operand) -> whether user reads operand into the examples; default: per example
 
     @staticmethod
     def onto(plan: "_Plan", entry: HloComputation, twins: "_Twins") -> "_Plan | None":
         """The plan for `entry`, XLA's fused form of the entry it was made for (`twins` maps one to
-        the other); None unless every sum is an all-reduce over the batch axis between fusions and
-        each value leaving the groups is an output, or a linear function of what a fusion reads."""
-        if plan.statistics or plan.gradients or not plan.sums or any(s.scale == 1 for s in plan.sums):
+        the other); None unless every sum is an all-reduce over the batch axis between fusions, or
+        a device's own sum that each fusion computing it has as its value, and each value leaving
+        the groups is an output, or a linear function of what a fusion reads."""
+        if plan.statistics or plan.gradients or not plan.sums:
+            return None
+        if all(s.scale == 1 for s in plan.sums):
+            return _Plan._onto_own_sums(plan, entry, twins)
+        if any(s.scale == 1 for s in plan.sums):
             return None
         named = {i.name: i for i in entry.instructions}
         sums = []
@@ -633,6 +702,39 @@ class _Plan:
                     return None
             leaving += [edge for edge in found if edge not in leaving]
         return dataclasses.replace(plan, sums=sums, leaving=leaving, info={})
+
+    @staticmethod
+    def _onto_own_sums(plan: "_Plan", entry: HloComputation, twins: "_Twins") -> "_Plan | None":
+        """A shard_map step's plan on XLA's fused entry: each device's own sum is the value of the
+        fusions that compute it (XLA's CPU reductions are fusion roots), and those values are
+        grouped as `_group_sum` groups the sum, on the batch dimensions of the fused instructions'
+        inlined twins. None if a copy of a sum sits inside a fusion that reads it, or if a reader
+        that decides between the group's sum and the device's own has no twin."""
+        decided: dict[tuple, bool | None] = {}
+
+        def reads(user: HloInstruction, operand: HloInstruction) -> bool | None:
+            if (user, operand) not in decided:
+                decided[(user, operand)] = _reads_into_examples(user, operand, twins, plan.info)
+            return decided[(user, operand)]
+
+        def may_read(user: HloInstruction, operand: HloInstruction) -> bool:
+            return reads(user, operand) is not False   # undecided ones are checked where they decide
+
+        sums = []
+        for batch_sum in plan.sums:
+            copies = twins.copies(entry).get(batch_sum.value, [])
+            if not copies or any(fusion is not None and copy is not fusion.attrs["calls"].root
+                                 for fusion, copy in copies):
+                return None
+            for fusion, copy in copies:
+                value = fusion if fusion is not None else copy
+                if not value.users:
+                    continue
+                deciding = {value} | (_ways_back(value, may_read) if batch_sum.backward else set())
+                if any(reads(user, instr) is None for instr in deciding for user in instr.users):
+                    return None
+                sums.append(dataclasses.replace(batch_sum, value=value, local=value))
+        return dataclasses.replace(plan, sums=sums, reads=may_read)
 
     def apply(self, module: HloModule, channel_ids: ChannelIds) -> bool:
         found = self.statistics or self.sums
@@ -700,16 +802,19 @@ class _Plan:
             for user in [u for u in value.users if u is not summed]:
                 user.replace_operand_with(value, scaled)
             return
-        per_example = functools.partial(_per_example, info=self.info)
+        reads = self.reads or (lambda user, operand: _per_example(user, self.info))
         copies = {value: scaled}
-        for instr in sorted(_ways_back(value, per_example), key=order.__getitem__):
+        for instr in sorted(_ways_back(value, reads), key=order.__getitem__):
+            attrs = {key: v for key, v in instr.attrs.items() if key != "control-predecessors"}
+            if instr.opcode == "fusion":   # XLA's fusions: a computation each
+                attrs["calls"] = comp.parent.clone_computation(instr.attrs["calls"], suffix="group")
             copies[instr] = comp.add_instruction(
                 instr.opcode, [copies.get(o, o) for o in instr.operands], instr.shape, name=f"{instr.name}.group",
-                attrs={key: v for key, v in instr.attrs.items() if key != "control-predecessors"},
-                literal=instr.literal, after=instr)
+                attrs=attrs, literal=instr.literal, after=instr)
+        made = {summed, *copies.values()}
         for instr in list(copies):
             for user in list(instr.users):
-                if per_example(user):
+                if user not in made and reads(user, instr):
                     user.replace_operand_with(instr, copies[instr])
 
     def _average_leaving(self, reducers, channel_ids: ChannelIds) -> None:
@@ -820,9 +925,10 @@ class _BatchDims:
     """Which dimension of each value is the per-device batch: an int, None (no batch: a parameter, a
     constant, a statistic), OPAQUE (per-example, dimension unknown), a tuple for tuples."""
 
-    def __init__(self, module: HloModule):
+    def __init__(self, module: HloModule, over_axis=None):
         self.module = module
         self.batch_size: int | None = None   # the examples on one device; 0 when the batch operands disagree
+        self.over_axis = over_axis           # at the hook: whether an all-reduce sums over the batch axis
         self._calls: dict[tuple, object] = {}
 
     def analyse(self, comp: HloComputation, params: dict[int, int]) -> dict:
@@ -831,9 +937,32 @@ class _BatchDims:
                      if n < comp.num_parameters and comp.parameter(n).shape.is_array}
             self.batch_size = sizes.pop() if len(sizes) == 1 else 0
         info: dict = {}
+        of = self._whole if self.batch_size == 1 and self.over_axis is not None else self._of
         for instr in comp.post_order():
-            info[instr] = self._of(instr, info, params)
+            info[instr] = of(instr, info, params)
         return info
+
+    def _whole(self, instr: HloInstruction, info: dict, params: dict[int, int]):
+        """One example per device, at the hook: XLA drops or merges its unit batch dimension at will,
+        so only which values are the device's example's is followed (WHOLE): whatever reads one is,
+        except an all-reduce over the batch axis, which sums over the devices' examples."""
+        op = instr.opcode
+        if op == "parameter":
+            return WHOLE if instr.parameter_number in params else None
+        ins = [info.get(o) for o in instr.operands]
+        if all(_none(x) for x in ins):
+            return None if not instr.shape.is_tuple else _nones(instr.shape)
+        if op == "get-tuple-element":
+            return ins[0][instr.attrs["index"]] if isinstance(ins[0], tuple) else WHOLE
+        if op == "tuple":
+            return tuple(ins)
+        if op == "all-reduce":
+            elements = tuple(None if self.over_axis(instr) else x for x in ins)
+            return elements if instr.shape.is_tuple else elements[0]
+        if op in ("call", "while", "conditional"):
+            raise Refusal(f"%{instr.name} passes the device's example to a {op}: with one example per device "
+                          f"the pass follows it only through the entry computation")
+        return WHOLE if not instr.shape.is_tuple else tuple(WHOLE for _ in instr.shape.tuple_shapes)
 
     def _of(self, instr: HloInstruction, info: dict, params: dict[int, int]):
         op = instr.opcode
@@ -1295,7 +1424,7 @@ _POWERS = {"rsqrt": Fraction(-1, 2), "sqrt": Fraction(1, 2)}
 
 
 def _check_means(comp: HloComputation, info: dict, sources: dict[HloInstruction, int], sums: list[_BatchSum],
-                 over_axis) -> None:
+                 over_axis, exits: list = (), axis_size: int = 0) -> None:
     """Prove that the examples read each sum over the batch only as a mean.
 
     Count degrees in the count n (dimensional analysis with n as the unit): a sum has degree 1, a
@@ -1305,7 +1434,19 @@ def _check_means(comp: HloComputation, info: dict, sources: dict[HloInstruction,
     divided by k in place of each sum gives the group's statistics, and their gradients, exactly.
     XLA has folded the 1/n into other constants (`2/n`, `0.1/n`): a constant c with c * n a small
     integer may be either a number or m/n, so each such constant is an unknown, 0 or -1, and the
-    constraints are solved as a linear system; no consistent choice refuses the module."""
+    constraints are solved as a linear system; no consistent choice refuses the module.
+
+    Sums all-reduced over the whole batch axis of `axis_size` devices D (a jit or pmap step) are
+    regrouped instead, and the count that changes is D: a device's own sum has degree 0, an
+    all-reduce adds 1, a constant may be m/D (a `pmean`, as `BatchNorm(axis_name=...)` takes, which
+    JAX's transpose divides before its all-reduce) or, after an all-reduce of sums of c elements,
+    m/(c·D) (the partitioner's mean).
+
+    `exits` (`_leaving_the_groups`' items, in a pmap step) must have degree 0 too: a mean is the same
+    whether the group's sum divided by k or the group's own divisor makes it, so each device's
+    output is its group's."""
+    across_devices = axis_size > 0
+    shares = _moving_average_shares(comp, axis_size) if across_devices else set()
     system = _DegreeSystem()
     memo: dict[HloInstruction, tuple | None] = {}
 
@@ -1316,35 +1457,65 @@ def _check_means(comp: HloComputation, info: dict, sources: dict[HloInstruction,
         if not over_axis(all_reduce):
             raise Refusal(f"%{all_reduce.name} all-reduces a sum over the batch over other devices than the "
                           f"batch axis")
-        return element[0], element[1] * len(all_reduce.attrs["replica_groups"].groups[0])
+        devices = len(all_reduce.attrs["replica_groups"].groups[0])
+        expression, counts, elements = element
+        if not across_devices:
+            return expression, frozenset(c * devices for c in counts), elements
+        return (system.add(expression, system.number(1)), counts | {c * devices for c in elements}, elements)
 
-    def degree(instr: HloInstruction):
-        """(degree, count) of a value the sums reach, the degree a `_DegreeSystem` expression; None
-        for a value they do not reach."""
-        if instr in sources:
-            return system.number(1), sources[instr]
-        if instr in memo:
-            return memo[instr]
-        memo[instr] = None   # HLO has no cycles; this also stops a revisit
+    def inputs(instr: HloInstruction) -> list:
+        """The values `instr`'s degree is computed from."""
         if instr.opcode == "get-tuple-element" and instr.operand(0).opcode == "all-reduce":
-            combined = instr.operand(0)
-            memo[instr] = summed(combined, degree(combined.operand(instr.attrs["index"])))
-            return memo[instr]
+            return [instr.operand(0).operand(instr.attrs["index"])]
         if instr.opcode == "all-reduce":
-            memo[instr] = None if instr.shape.is_tuple else summed(instr, degree(instr.operand(0)))
-            return memo[instr]
-        ins = [degree(o) for o in instr.operands]
+            return [] if instr.shape.is_tuple else [instr.operand(0)]
+        return list(instr.operands)
+
+    def degree(value: HloInstruction):
+        """(degree, counts, elements) of a value the sums reach: the degree a `_DegreeSystem`
+        expression, the counts its constants may divide by, the elements its devices' own sums
+        sum; None for a value they do not reach. Computed operands first, without recursion: one
+        example per device, a device's own values go back through the whole forward pass."""
+        stack = [value]
+        while stack:
+            instr = stack[-1]
+            if instr in memo or instr in sources:
+                stack.pop()
+                continue
+            waiting = [o for o in inputs(instr) if o not in memo and o not in sources]
+            if waiting:
+                stack += waiting
+                continue
+            memo[instr] = evaluate(instr, [memo[o] if o in memo else source(o) for o in inputs(instr)])
+            stack.pop()
+        return memo[value] if value in memo else source(value)
+
+    def source(instr: HloInstruction):
+        counts = {axis_size} if across_devices else {sources[instr]}
+        return system.number(0 if across_devices else 1), frozenset(counts), frozenset({sources[instr]})
+
+    def evaluate(instr: HloInstruction, ins: list):
+        if instr.opcode == "get-tuple-element" and instr.operand(0).opcode == "all-reduce":
+            return summed(instr.operand(0), ins[0])
+        if instr.opcode == "all-reduce":
+            return summed(instr, ins[0]) if ins else None
         reached = [d for d in ins if d is not None]
         if not reached:
+            if across_devices and _per_example(instr, info):   # a device's own value: not a function of D
+                return system.number(0), frozenset({axis_size}), frozenset({1})
             return None
-        counts = {c for _, c in reached}
-        if len(counts) != 1:
+        counts = frozenset().union(*(c for _, c, _ in reached))
+        if not across_devices and len({c for _, c, _ in reached}) != 1:
             raise Refusal(f"%{instr.name} combines sums of different counts {sorted(counts)} before the examples "
                           f"read them: not a batch statistic the pass can prove")
-        count = counts.pop()
+        elements = frozenset().union(*(e for _, _, e in reached))
         op = instr.opcode
-        known = [d[0] if d is not None else (system.constant(o, count, op == "divide" and k == 1)
-                                             if op in ("multiply", "divide") else system.number(0))
+        if across_devices and op == "reduce" and _per_example(instr.operand(0), info):   # a device's own sum
+            elements = frozenset(e * math.prod(instr.operand(0).shape.dims[d] for d in instr.attrs["dimensions"])
+                                 for e in elements)
+        known = [d[0] if d is not None else system.number(-1) if o in shares and op == "multiply" else
+                 (system.constant(o, counts, op == "divide" and k == 1)
+                  if op in ("multiply", "divide") else system.number(0))
                  for k, (d, o) in enumerate(zip(ins, instr.operands))]
         # what is put side by side must agree; a zero is zero in any degree (padding, relu's max)
         together = [d for d, o in zip(known, instr.operands) if _constant_value(o) != 0.0]
@@ -1372,15 +1543,15 @@ def _check_means(comp: HloComputation, info: dict, sources: dict[HloInstruction,
             for d in known:
                 system.equal(d, system.number(0), instr)
             result = system.number(0)
-        memo[instr] = (result, count)
-        return memo[instr]
+        return result, counts, elements
 
     for batch_sum in sums:
         found = degree(batch_sum.value)
         if found is None:
             raise Refusal(f"%{batch_sum.value.name} all-reduces over the batch axis what is not a sum over the batch")
-        system.equal(found[0], system.number(1), batch_sum.value)
-        batch_sum.count = found[1]
+        if not across_devices:
+            system.equal(found[0], system.number(1), batch_sum.value)
+        batch_sum.count = max(found[2]) * batch_sum.scale
     for instr in comp.instructions:
         if _none(info.get(instr)) or instr.opcode == "tuple":   # a tuple only passes its elements on
             continue
@@ -1389,7 +1560,39 @@ def _check_means(comp: HloComputation, info: dict, sources: dict[HloInstruction,
                 found = degree(operand)
                 if found is not None:
                     system.equal(found[0], system.number(0), operand, into=instr)
+    root = comp.root
+    for item in exits:
+        value, into = ((root.operand(item[1]) if root.opcode == "tuple" else root, root) if item[0] == "output"
+                       else item[1:])
+        found = degree(value)
+        if found is not None:
+            system.equal(found[0], system.number(0), value, into=into)
     system.solve()
+
+
+def _moving_average_shares(comp: HloComputation, devices: int) -> set[HloInstruction]:
+    """The constants b of moving averages `a * old + b * s` with a + b * devices = 1: XLA folds
+    (1 - momentum) into the 1/devices of a pmean, so b is a share per device (degree -1)."""
+    def scaled(value: HloInstruction):
+        while value.opcode in _UNIT_SHAPE_OPS:
+            value = value.operand(0)
+        if value.opcode != "multiply":
+            return []
+        found = []
+        for k, factor in enumerate(value.operands):
+            c = _constant_value(factor)
+            if c is not None and _constant_value(value.operand(1 - k)) is None:
+                found.append((factor, c))
+        return found
+
+    shares = set()
+    for instr in comp.instructions:
+        if instr.opcode == "add":
+            left, right = scaled(instr.operand(0)), scaled(instr.operand(1))
+            for (_, keep), (factor, share) in [*itertools.product(left, right), *itertools.product(right, left)]:
+                if 0 < keep < 1 and abs(keep + share * devices - 1) <= 1e-6:
+                    shares.add(factor)
+    return shares
 
 
 class _DegreeSystem:
@@ -1403,13 +1606,13 @@ class _DegreeSystem:
     def number(value) -> dict:
         return {None: Fraction(value)}
 
-    def constant(self, instr: HloInstruction, count: int, divisor: bool) -> dict:
+    def constant(self, instr: HloInstruction, counts, divisor: bool) -> dict:
         """0 for a number; an unknown for a factor that may be m/count or m/count² (XLA folds
         `(s/n)²` into `s*s * (1/n²)`), or a divisor that may be m·count or m·count² (TF divides by
-        the count), m a small integer: it may take 0 or those degrees."""
+        the count), m a small integer, count one of `counts`: it may take 0 or those degrees."""
         value = _constant_value(instr)
         degrees = {0}
-        for power in ((1, 2) if divisor else (-1, -2)):
+        for power, count in itertools.product((1, 2) if divisor else (-1, -2), counts):
             m = value / float(count) ** power if value else 0.0
             if value and abs(m - round(m)) <= 1e-4 * max(1.0, abs(m)) and 1 <= abs(round(m)) <= 8:
                 degrees.add(power)
@@ -1513,23 +1716,62 @@ def _combined_linearity(instr: HloInstruction, ins: list) -> int | None:
     return 0 if max(ins) == 0 else None
 
 
-def _ways_back(value: HloInstruction, per_example) -> set[HloInstruction]:
-    """The values without a batch dimension on a way from `value` into a per-example value."""
+def _ways_back(value: HloInstruction, reads) -> set[HloInstruction]:
+    """The values without a batch dimension on a way from `value` into a per-example value;
+    `reads(user, operand)`: whether `user` reads `operand` into the examples."""
     leads: dict[HloInstruction, bool] = {}
 
     def leads_back(instr: HloInstruction) -> bool:
         if instr not in leads:
             leads[instr] = False   # no cycles in HLO; this stops a revisit
-            leads[instr] = any(per_example(u) or leads_back(u) for u in instr.users)
+            leads[instr] = any(reads(u, instr) or leads_back(u) for u in instr.users)
         return leads[instr]
 
     found, stack = set(), [value]
     while stack:
-        for user in stack.pop().users:
-            if user not in found and not per_example(user) and leads_back(user):
+        current = stack.pop()
+        for user in current.users:
+            if user not in found and not reads(user, current) and leads_back(user):
                 found.add(user)
                 stack.append(user)
     return found
+
+
+def _reads_into_examples(user: HloInstruction, operand: HloInstruction, twins: "_Twins", info: dict) -> bool | None:
+    """Whether `user`, in XLA's fused entry, reads `operand` into per-example values, by the batch
+    dimensions `info` of the inlined twins: True when its value is per example, or when it is a
+    fusion in which every way from `operand` to its value passes a per-example instruction (a sum
+    over the batch of values computed from `operand`); False when nothing it computes from
+    `operand` is per example; None when neither, or a twin is missing."""
+    twin = twins.of(None, user)
+    if twin is None or twin not in info:
+        return False if user.opcode == "tuple" else None   # the outputs; anything else unknown
+    if _per_example(twin, info):
+        return True
+    if user.opcode != "fusion":
+        return False
+    body = user.attrs["calls"]
+    examples: dict[HloInstruction, bool] = {}   # inner instruction -> per example
+    for inner in body.post_order():
+        if inner.opcode == "parameter":
+            continue
+        inner_twin = twins.of(user, inner)
+        if inner_twin is None or inner_twin not in info:
+            return None
+        examples[inner] = _per_example(inner_twin, info)
+    around = set()   # instructions reached from `operand` without passing a per-example one
+    stack = [body.parameter(n) for n, o in enumerate(user.operands) if o is operand]
+    through = False
+    while stack:
+        for reader in stack.pop().users:
+            if examples[reader]:
+                through = True
+            elif reader not in around:
+                around.add(reader)
+                stack.append(reader)
+    if body.root in around or body.root.opcode == "parameter":
+        return None if through else False
+    return True
 
 
 def _over_single_devices(all_reduce: HloInstruction) -> bool:
@@ -1588,12 +1830,9 @@ class _Twins:
             return self._twin.get((instr.name, instr.attrs["calls"].root.name))
         return self._twin.get((fusion.name if fusion is not None else None, instr.name))
 
-    def fused_edges(self, value: HloInstruction, reader: HloInstruction, entry: HloComputation, varying: set,
-                    info: dict) -> list | None:
-        """("edge", operand, reader) in the fused entry for the inlined edge `value` -> `reader`: the
-        operands of the fusion holding each copy of `reader` that `value` is a linear function of
-        (with coefficients that do not vary with the groups), or `value` itself between fusions;
-        None if there is a copy it cannot place so."""
+    def copies(self, entry: HloComputation) -> dict:
+        """Inlined instruction -> its copies (fusion, instruction) in XLA's fused `entry` (fusion None:
+        between fusions)."""
         if self._copies_of is not entry:
             self._copies = {}
             for instr in entry.instructions:
@@ -1601,7 +1840,15 @@ class _Twins:
                 for fusion, copy in [(instr, i) for i in inside if i.opcode != "parameter"] or [(None, instr)]:
                     self._copies.setdefault(self.of(fusion, copy), []).append((fusion, copy))
             self._copies_of = entry
-        copies = self._copies.get(reader, [])
+        return self._copies
+
+    def fused_edges(self, value: HloInstruction, reader: HloInstruction, entry: HloComputation, varying: set,
+                    info: dict) -> list | None:
+        """("edge", operand, reader) in the fused entry for the inlined edge `value` -> `reader`: the
+        operands of the fusion holding each copy of `reader` that `value` is a linear function of
+        (with coefficients that do not vary with the groups), or `value` itself between fusions;
+        None if there is a copy it cannot place so."""
+        copies = self.copies(entry).get(reader, [])
         if not copies:
             return None
         edges = []
@@ -1730,6 +1977,31 @@ def _gradient(broadcast: HloInstruction, means: set, signatures: set) -> _Gradie
         if _divides_by(value, value.operand(0), count):
             return _Gradient(value, broadcast, (shape, reduced, count), count)
     return None
+
+
+def _pmap_style(entry: HloComputation, split: dict[int, int]) -> bool:
+    """Whether the partitioned entry is a `jax.pmap` step: each mapped argument a slice of one per
+    device along the split dimension, and each output one device's slice of a stacked result."""
+    outputs = entry.root.operands if entry.root.opcode == "tuple" else [entry.root]
+    return (all(entry.parameter(n).shape.dims[d] == 1 for n, d in split.items())
+            and all(o.shape.is_array and o.shape.rank and o.shape.dims[0] == 1 for o in outputs))
+
+
+_IMAGE_PATH = frozenset({"bitcast", "reshape", "copy", "convert", "transpose", "pad", "slice"})
+
+
+def _image_source(value: HloInstruction) -> HloInstruction | None:
+    """The entry parameter a convolution's input is made from by reshaping, converting, padding and
+    elementwise ops with broadcast or constant operands (a normalization); None if there is none."""
+    while value.opcode != "parameter":
+        if value.opcode in _IMAGE_PATH:
+            value = value.operand(0)
+            continue
+        whole = [o for o in value.operands if o.opcode not in ("broadcast", "constant")]
+        if value.opcode not in ELEMENTWISE or len(whole) != 1:
+            return None
+        value = whole[0]
+    return value
 
 
 def _axis_lines(coordinates: dict[int, tuple], axis: int) -> list[list[int]]:
