@@ -15,7 +15,8 @@ Three configurations of each, compiled from the same step:
   hook       a pass hook that hands XLA's module back unchanged: what the hook alone costs (jaxlib
              0.10.2 drops the buffer donation of every module a hook returns);
   dbn        `distributed-batch-norm{group_size=2}` at the hook (what `XLA_PASSES` does), which
-             changes the numbers on purpose: pairs of devices share their statistics.
+             changes the numbers on purpose: pairs of devices share their statistics;
+  dbn+cf     the same followed by `collective-fusion`, which combines the pairs' all-reduces.
 
 For each: the all-reduces, XLA's per-device bytes accessed, the peak memory, whether the pass kept
 XLA's fusions (its report), and the step time: the median of `--rounds` rounds of `--steps`
@@ -47,6 +48,7 @@ import xla_passes.jax  # noqa: E402
 from xla_passes.training import collective_counts, compile_step, compiled_costs, hand_back_hook  # noqa: E402
 
 PASSES = "distributed-batch-norm{group_size=2}"
+CONFIGURATIONS = {"plain": None, "hook": None, "dbn": PASSES, "dbn+cf": f"{PASSES},collective-fusion"}
 CLASSES = 10
 STYLES = ("shard_map", "jit", "pmap")
 
@@ -117,7 +119,7 @@ def measure(style: str, args) -> dict:
     step, state = build(style, args, tx)
     fresh = functools.partial(jax.tree.map, lambda leaf: leaf.copy())
     runs = {}
-    for label in ("plain", "hook", "dbn"):
+    for label, passes in CONFIGURATIONS.items():
         print(f"  {style}: compiling {label}", file=sys.stderr, flush=True)
         reports = []
         if label == "hook":
@@ -125,16 +127,15 @@ def measure(style: str, args) -> dict:
                 compiled, _ = compile_step(step, fresh(state), None)
         else:
             with tempfile.TemporaryDirectory() as dump:   # the pass's report heads each module it wrote
-                compiled, _ = compile_step(step, fresh(state), PASSES if label == "dbn" else None, strict=True,
-                                           dump_to=dump if label == "dbn" else None)
+                compiled, _ = compile_step(step, fresh(state), passes, strict=True, dump_to=dump if passes else None)
                 reports = [line for path in pathlib.Path(dump).glob("*after_distributed-batch-norm.txt")
                            for line in path.read_text().splitlines() if line.startswith("// ")]
         xla_passes.jax.disable()
         runs[label] = {"compiled": compiled, "state": fresh(state), "seconds": [], **compiled_costs(compiled),
                        "all-reduces": collective_counts(compiled).get("all-reduce", 0),
                        "peak": compiled.memory_analysis().peak_memory_in_bytes,
-                       "fusions kept": any("which stay" in line for line in reports) if label == "dbn" else None,
-                       "changed": any(": summed over" in line for line in reports) if label == "dbn" else None}
+                       "fusions kept": any("which stay" in line for line in reports),
+                       "changed": any(": summed over" in line for line in reports)}
     for round_number in range(args.rounds + 1):
         for run in runs.values():
             for _ in range(args.steps):
@@ -174,7 +175,7 @@ def main(argv=None) -> None:
             name = {"plain": "XLA's defaults", "hook": "hook alone (module unchanged)"}.get(label)
             if name is None:
                 kept = "XLA's fusions kept" if run["fusions kept"] else "module unfused"
-                name = f"{PASSES} ({kept})" if run["changed"] else f"{PASSES} (refused)"
+                name = f"{CONFIGURATIONS[label]} ({kept if run['changed'] else 'refused'})"
             print(f"| {style} | {name} | {run['all-reduces']} | {run['bytes accessed'] / 1e6:.1f} | "
                   f"{run['bytes accessed'] / plain['bytes accessed']:.3f} | {run['peak'] / 1e6:.1f} | "
                   f"{1e3 * run['median_s']:.2f} | {run['median_s'] / plain['median_s']:.3f} | "

@@ -723,8 +723,7 @@ class _Plan:
         sums = []
         for batch_sum in plan.sums:
             copies = twins.copies(entry).get(batch_sum.value, [])
-            if not copies or any(fusion is not None and copy is not fusion.attrs["calls"].root
-                                 for fusion, copy in copies):
+            if not copies or any(fusion is not None and not _is_value_of(copy, fusion) for fusion, copy in copies):
                 return None
             for fusion, copy in copies:
                 value = fusion if fusion is not None else copy
@@ -1735,6 +1734,17 @@ def _ways_back(value: HloInstruction, reads) -> set[HloInstruction]:
                 found.add(user)
                 stack.append(user)
     return found
+
+
+def _is_value_of(instr: HloInstruction, fusion: HloInstruction) -> bool:
+    """Whether `fusion`'s value is `instr` of its computation, or a reshape of it (XLA's CPU dot
+    fusions bitcast a reduction's result)."""
+    root = fusion.attrs["calls"].root
+    while instr is not root:
+        if len(instr.users) != 1 or instr.users[0].opcode not in _UNIT_SHAPE_OPS:
+            return False
+        instr = instr.users[0]
+    return True
 
 
 def _reads_into_examples(user: HloInstruction, operand: HloInstruction, twins: "_Twins", info: dict) -> bool | None:
