@@ -1416,6 +1416,8 @@ def _reaches(value: HloInstruction, info: dict, stops: set) -> set[str]:
     return found
 
 
+_LOCAL_ARITHMETIC = frozenset({"add", "subtract", "negate", "multiply", "divide", "bitcast", "reshape", "pad", "slice",
+                               "concatenate", "convert", "copy", "transpose", "get-tuple-element"})
 _SAME_DEGREE = frozenset({"add", "subtract", "maximum", "minimum", "clamp"})
 _PASS_THROUGH = frozenset({"negate", "abs", "convert", "copy", "bitcast", "reshape", "broadcast", "transpose",
                            "slice", "get-tuple-element", "reduce", "concatenate", "pad"})
@@ -1462,8 +1464,15 @@ def _check_means(comp: HloComputation, info: dict, sources: dict[HloInstruction,
             return expression, frozenset(c * devices for c in counts), elements
         return (system.add(expression, system.number(1)), counts | {c * devices for c in elements}, elements)
 
+    def own(instr: HloInstruction) -> bool:
+        """Counting in the devices: a device's own value, of degree 0 whatever it is computed from,
+        unless it is the arithmetic that may scale a device's sums by 1/D before an all-reduce."""
+        return across_devices and _per_example(instr, info) and instr.opcode not in _LOCAL_ARITHMETIC
+
     def inputs(instr: HloInstruction) -> list:
         """The values `instr`'s degree is computed from."""
+        if own(instr):
+            return []
         if instr.opcode == "get-tuple-element" and instr.operand(0).opcode == "all-reduce":
             return [instr.operand(0).operand(instr.attrs["index"])]
         if instr.opcode == "all-reduce":
@@ -1494,6 +1503,10 @@ def _check_means(comp: HloComputation, info: dict, sources: dict[HloInstruction,
         return system.number(0 if across_devices else 1), frozenset(counts), frozenset({sources[instr]})
 
     def evaluate(instr: HloInstruction, ins: list):
+        if own(instr):
+            elements = (math.prod(instr.operand(0).shape.dims[d] for d in instr.attrs["dimensions"])
+                        if instr.opcode == "reduce" else 1)
+            return system.number(0), frozenset({axis_size}), frozenset({elements})
         if instr.opcode == "get-tuple-element" and instr.operand(0).opcode == "all-reduce":
             return summed(instr.operand(0), ins[0])
         if instr.opcode == "all-reduce":
