@@ -368,17 +368,19 @@ class DistributedBatchNorm(HloPass):
 
     def _pmap_examples(self, entry: HloComputation, split: dict[int, int]) -> dict[int, int]:
         """A pmap step maps every argument, weights included, over the devices, a slice each: the
-        examples are the leading dimension of the slice in the images (entry parameters that feed a
-        convolution's input), or in the parameters `batch_parameters=` names."""
+        examples are the leading dimension of the slice in the images (entry parameters that feed the
+        input of a forward convolution), or in the parameters `batch_parameters=` names."""
         if self._batch_numbers:
             missing = [n for n in self._batch_numbers if n not in split]
             if missing:
                 raise Refusal(f"batch_parameters: entry parameter {missing[0]} is not mapped over the devices")
             chosen = set(self._batch_numbers)
         else:
-            chosen = {source.parameter_number for instr in entry.instructions if instr.opcode == "convolution"
-                      for source in [_image_source(instr.operand(0))]
-                      if source is not None and source.parameter_number in split}
+            chosen = {source.parameter_number for instr in entry.instructions
+                      if instr.opcode == "convolution" and not _is_backward(instr)   # a kernel's transpose reads
+                      for source in [_image_source(instr.operand(0))]             # weights as its input
+                      if source is not None and source.parameter_number in split
+                      and source.shape.rank > instr.operand(0).shape.rank}   # a batch of images, and the mapped axis
         if not chosen:
             communicates = any(i.opcode == "all-reduce" and self._over_axis(i) for i in entry.instructions)
             raise (Refusal if communicates else NoBatch)(
