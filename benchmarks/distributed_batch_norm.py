@@ -80,7 +80,7 @@ def build(style: str, args, tx):
     rng = np.random.default_rng(0)
     images = rng.standard_normal((8 * args.batch, args.image, args.image, 3)).astype(np.float32)
     labels = rng.integers(0, CLASSES, 8 * args.batch).astype(np.int32)
-    grad = functools.partial(jax.value_and_grad(functools.partial(_loss, model), has_aux=True))
+    grad = jax.value_and_grad(functools.partial(_loss, model), has_aux=True)
 
     def update(grads, opt_state, params):
         changes, opt_state = tx.update(grads, opt_state, params)

@@ -1504,20 +1504,21 @@ def _check_means(comp: HloComputation, info: dict, sources: dict[HloInstruction,
         counts = {axis_size} if across_devices else {sources[instr]}
         return system.number(0 if across_devices else 1), frozenset(counts), frozenset({sources[instr]})
 
+    def a_devices_own(instr: HloInstruction):
+        elements = (math.prod(instr.operand(0).shape.dims[d] for d in instr.attrs["dimensions"])
+                    if instr.opcode == "reduce" else 1)
+        return system.number(0), frozenset({axis_size}), frozenset({elements})
+
     def evaluate(instr: HloInstruction, ins: list):
         if own(instr):
-            elements = (math.prod(instr.operand(0).shape.dims[d] for d in instr.attrs["dimensions"])
-                        if instr.opcode == "reduce" else 1)
-            return system.number(0), frozenset({axis_size}), frozenset({elements})
+            return a_devices_own(instr)
         if instr.opcode == "get-tuple-element" and instr.operand(0).opcode == "all-reduce":
             return summed(instr.operand(0), ins[0])
         if instr.opcode == "all-reduce":
             return summed(instr, ins[0]) if ins else None
         reached = [d for d in ins if d is not None]
-        if not reached:
-            if across_devices and _per_example(instr, info):   # a device's own value: not a function of D
-                return system.number(0), frozenset({axis_size}), frozenset({1})
-            return None
+        if not reached:   # a device's own value is not a function of D
+            return a_devices_own(instr) if across_devices and _per_example(instr, info) else None
         counts = frozenset().union(*(c for _, c, _ in reached))
         if not across_devices and len({c for _, c, _ in reached}) != 1:
             raise Refusal(f"%{instr.name} combines sums of different counts {sorted(counts)} before the examples "
