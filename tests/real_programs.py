@@ -226,7 +226,7 @@ def pass_hook_programs() -> dict[str, str]:
         if not received:
             raise RuntimeError(f"the {stage_name} pass hook was never called")
         for i, proto in enumerate(received):
-            texts[f"pass_hook.{stage_name.lower()}.{i}"] = xla_bridge.proto_to_text(proto)
+            texts[f"pass_hook.{stage_name.lower()}.{i}"] = xla_bridge.hook_module_text(proto)
     return texts
 
 

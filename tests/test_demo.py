@@ -95,8 +95,10 @@ def test_weight_update_sharding_cuts_update_work_and_memory_and_the_jit_runs_kee
     # the plain step's new parameters and optimizer state reuse the donated buffers: all its outputs but the loss
     weights = 64 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10  # --small: Dense 256, 256, 10 on 64 inputs
     assert plain["aliased_bytes"] == 4 * 3 * weights + 4  # f32 weights, adam's two moments, its s32 count
-    # XLA of jaxlib 0.10.2 drops the aliasing of every module a pass hook hands back
-    assert runs[HOOK_FUSION]["aliased_bytes"] == runs[HOOK_WUS]["aliased_bytes"] == 0
+    if results["hook_keeps_donation"]:  # jaxlib >= 0.11.1: the hooked steps donate what the plain one does
+        assert runs[HOOK_FUSION]["aliased_bytes"] == runs[HOOK_WUS]["aliased_bytes"] == plain["aliased_bytes"]
+    else:  # XLA of jaxlib 0.10.2 drops the aliasing of every module a pass hook hands back
+        assert runs[HOOK_FUSION]["aliased_bytes"] == runs[HOOK_WUS]["aliased_bytes"] == 0
     # xla_passes.jax.jit keeps it: everything with collective-fusion; with persistent state the weights and
     # the 1/8 of each moment every device keeps (all but the 10-class bias, below the threshold, stays whole)
     assert runs[JIT_FUSION]["aliased_bytes"] == plain["aliased_bytes"]
@@ -104,9 +106,11 @@ def test_weight_update_sharding_cuts_update_work_and_memory_and_the_jit_runs_kee
     for run in runs.values():
         assert run["peak_bytes"] == (run["argument_bytes"] + run["output_bytes"] - run["aliased_bytes"]
                                      + run["temp_bytes"])
-    # without donation a step holds its old state and its new one: more than the plain step at its peak
     for name in demo.HOOK_RUNS:
-        assert runs[name]["peak_bytes"] > plain["peak_bytes"]
+        if results["hook_keeps_donation"]:
+            assert runs[name]["peak_bytes"] <= plain["peak_bytes"]
+        else:  # without donation a step holds its old state and its new one: more than the plain step at its peak
+            assert runs[name]["peak_bytes"] > plain["peak_bytes"]
     assert runs[JIT_WUS]["peak_bytes"] < plain["peak_bytes"] / 2
 
 
@@ -151,7 +155,7 @@ def test_table_shows_the_measured_numbers_and_progress_goes_to_stderr(small_demo
         assert float(update_mflop) == pytest.approx(run["update_flops"] / 1e6, abs=0.01)
         assert float(rows[name][9]) == pytest.approx(run["peak_bytes"] / 1e6, abs=0.01)
         assert float(rows[name][11]) == pytest.approx(run["aliased_bytes"] / 1e6, abs=0.01)
-    assert "Donated 0 MB: XLA of jaxlib 0.10.2 drops the donation" in result.stdout
+    assert ("Donated 0 MB: XLA of jaxlib" in result.stdout) == (not results["hook_keeps_donation"])
     assert demo.format_spatial(results["spatial"]) in result.stdout
     assert (results["spatial"] is not None) == (demo.SPATIAL in xla_passes.registered_passes())
     assert "training: round 2 of 2" in result.stderr

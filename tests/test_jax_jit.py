@@ -17,6 +17,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import xla_passes.jax
+from xla_passes import HloPass, register_pass
 
 PASSES = "weight-update-sharding{persistent=true}"
 SHAPES = {"w1": (64, 256), "b1": (256,), "w2": (256, 16)}
@@ -142,3 +143,144 @@ def test_jax_jit_of_a_plain_jax_jit_program_is_left_alone():
     xla_passes.jax.jit(step, passes=PASSES).lower(*args).compile()
     text = jax.jit(step).lower(*args).as_text()
     assert "reduce_scatter" not in text
+
+
+# -- when the passes' module cannot be used: one warning and JAX's own lowering, or an error under strict ------
+
+@register_pass
+class _Explode(HloPass):
+    """Fails on every module."""
+
+    name = "test-jit-explode"
+
+    def run(self, module) -> bool:
+        raise RuntimeError("deliberate failure in a test pass")
+
+
+@register_pass
+class _UnknownCustomCall(HloPass):
+    """Hands back a module XLA cannot compile: the root goes through a custom call no backend has."""
+
+    name = "test-jit-uncompilable"
+
+    def run(self, module) -> bool:
+        root = module.entry.root
+        module.entry.set_root(module.entry.add_instruction(
+            "custom-call", [root], root.shape, attrs={"custom_call_target": "xla_passes_test_no_such_target"}))
+        return True
+
+
+@register_pass
+class _NegateRoot(HloPass):
+    """A wrong rewrite that XLA compiles: the (array) root negated."""
+
+    name = "test-jit-negate-root"
+
+    def run(self, module) -> bool:
+        root = module.entry.root
+        module.entry.set_root(module.entry.add_instruction("negate", [root], root.shape))
+        return True
+
+
+def _double(x):
+    return 2.0 * x + 1.0
+
+
+@pytest.mark.parametrize("passes, message", [
+    ("test-jit-explode", "RuntimeError: deliberate failure in a test pass"),
+    ("test-jit-uncompilable", "xla_passes_test_no_such_target"),
+])
+def test_a_pass_that_fails_or_a_module_xla_refuses_falls_back_to_jax_s_lowering(caplog, passes, message):
+    x = jnp.arange(8.0)
+    with caplog.at_level("WARNING", logger="xla_passes"):
+        np.testing.assert_array_equal(xla_passes.jax.jit(_double, passes=passes)(x), _double(x))
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and passes in warnings[0] and message in warnings[0], warnings
+    assert "JAX compiles its own lowering" in warnings[0]
+    with pytest.raises(Exception, match=message):
+        xla_passes.jax.jit(_double, passes=passes, strict=True)(x)
+
+
+def test_check_catches_a_wrong_rewrite_and_keeps_jax_s_result(caplog, monkeypatch):
+    x = jnp.arange(8.0)
+    with caplog.at_level("WARNING", logger="xla_passes"):
+        np.testing.assert_array_equal(xla_passes.jax.jit(_double, passes="test-jit-negate-root", check=True)(x),
+                                      _double(x))
+    assert any("computes something else than JAX's lowering" in r.getMessage() for r in caplog.records)
+    monkeypatch.setenv("XLA_PASSES_CHECK", "1")  # the variable asks for it as at the hook
+    with pytest.raises(xla_passes.PassError, match="computes something else"):
+        xla_passes.jax.jit(_double, passes="test-jit-negate-root", strict=True)(x)
+    monkeypatch.delenv("XLA_PASSES_CHECK")
+    np.testing.assert_array_equal(xla_passes.jax.jit(_double, passes="test-jit-negate-root")(x), -_double(x))
+
+
+def test_a_scan_over_stacked_layers_in_shard_map_compiles_with_collective_fusion():
+    """The all-reduces of a `lax.scan` body inside a shard_map run in a while body that the
+    manual computation calls, where XLA refuses tuple-shaped all-reduces: they combine into a flat
+    buffer as in the shard_map body itself (before: "Sharding is tuple-shaped but validation shape
+    is not"), and the steps equal `jax.jit`'s."""
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    rng = np.random.default_rng(0)
+    params = {"w_in": rng.standard_normal((16, 64)).astype(np.float32) / 4,
+              "layers": {"w": rng.standard_normal((4, 64, 64)).astype(np.float32) / 8,
+                         "b": np.zeros((4, 64), np.float32), "g": np.ones((4, 64), np.float32)},
+              "w_out": rng.standard_normal((64, 10)).astype(np.float32) / 8}
+
+    def loss_fn(p, x, y):
+        h = jnp.tanh(x @ p["w_in"])
+
+        @jax.checkpoint
+        def body(h, layer):
+            return h + jax.nn.gelu(h @ layer["w"] + layer["b"]) * layer["g"], None
+
+        h, _ = jax.lax.scan(body, h, p["layers"])
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(h @ p["w_out"]), y[:, None], axis=1))
+
+    tx = optax.adam(1e-3)
+
+    def step(p, o, x, y):
+        loss, grads = jax.value_and_grad(loss_fn)(p, x, y)
+        updates, o = tx.update(jax.lax.pmean(grads, "d"), o, p)
+        return optax.apply_updates(p, updates), o, jax.lax.pmean(loss, "d")
+
+    step = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("d"), P("d")), out_specs=(P(), P(), P()))
+    x = jax.device_put(rng.standard_normal((16, 16)).astype(np.float32), NamedSharding(mesh, P("d")))
+    y = jax.device_put(rng.integers(0, 10, 16).astype(np.int32), NamedSharding(mesh, P("d")))
+    p = jax.device_put(params, NamedSharding(mesh, P()))
+    o = tx.init(p)
+    rewritten = xla_passes.jax.jit(step, passes="collective-fusion", strict=True)
+    assert "while" in rewritten.lower(p, o, x, y).as_text()
+    for got, want in zip(jax.tree.leaves(rewritten(p, o, x, y)), jax.tree.leaves(jax.jit(step)(p, o, x, y))):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_combining_mixed_precision_gradients_changes_no_bit():
+    """bf16 compute with f32 master weights: JAX all-reduces the bf16 cotangents, which XLA sums
+    in f32 and, by its default excess precision, from the unrounded f32 values. In a flat buffer it
+    would add the rounded ones (0.3% of a gradient): the combiner leaves those all-reduces alone,
+    and every gradient is bit-equal to `jax.jit`'s."""
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    rng = np.random.default_rng(0)
+    params = {"c1": rng.standard_normal((3, 3, 3, 16)).astype(np.float32) / 5, "b1": np.zeros(16, np.float32),
+              "c2": rng.standard_normal((3, 3, 16, 32)).astype(np.float32) / 12,
+              "d": rng.standard_normal((32, 10)).astype(np.float32) / 6}
+
+    def loss_fn(p, x, y):
+        p = jax.tree.map(lambda a: a.astype(jnp.bfloat16), p)
+        dn = ("NHWC", "HWIO", "NHWC")
+        h = jax.nn.relu(jax.lax.conv_general_dilated(x.astype(jnp.bfloat16), p["c1"], (1, 1), "SAME",
+                                                     dimension_numbers=dn) + p["b1"])
+        h = jax.nn.relu(jax.lax.conv_general_dilated(h, p["c2"], (2, 2), "SAME", dimension_numbers=dn))
+        logits = (jnp.mean(h, axis=(1, 2)) @ p["d"]).astype(jnp.float32)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1))
+
+    grads = jax.shard_map(lambda p, x, y: jax.lax.pmean(jax.grad(loss_fn)(p, x, y), "d"), mesh=mesh,
+                          in_specs=(P(), P("d"), P("d")), out_specs=P())
+    x = jax.device_put(rng.standard_normal((16, 8, 8, 3)).astype(np.float32), NamedSharding(mesh, P("d")))
+    y = jax.device_put(rng.integers(0, 10, 16).astype(np.int32), NamedSharding(mesh, P("d")))
+    p = jax.device_put(params, NamedSharding(mesh, P()))
+    want = jax.jit(grads)(p, x, y)
+    for passes in ("all-reduce-combiner", "collective-fusion"):
+        got = xla_passes.jax.jit(grads, passes=passes, strict=True)(p, x, y)
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=f"{passes}: {name}")

@@ -85,6 +85,33 @@ def test_without_xla_passes_nothing_is_registered_or_dumped(tmp_path):
     assert result.stderr.strip() == ""
 
 
+@pytest.mark.parametrize("passes", ["collective-fusion", "weight-update-sharding"])
+def test_a_program_started_with_xla_passes_runs_with_every_platform_jax_looks_for(passes):
+    """JAX starts its backends from inside its own plugin discovery, where it calls our plugin;
+    jax 0.11+ starts them again inside `register_hlo_module_transformation` (the program hung at its
+    first `jax.devices()`) and asks every named platform for its PJRT plugin (raising for cuda, rocm
+    and tpu on a CPU-only machine). Here JAX_PLATFORMS is unset, so JAX looks for all of them."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_PASSES", "JAX_PLATFORMS"))}
+    env.update({"XLA_PASSES": passes, "XLA_PASSES_STRICT": "1", "XLA_FLAGS": DEVICES_FLAG,
+                "TF_CPP_MIN_LOG_LEVEL": "2",
+                "PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, env.get("PYTHONPATH")]))})
+    result = subprocess.run([sys.executable, WORKER, "program"], env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert report(result) == {"correct": True, "adapter_imported": True, "enabled": passes}
+
+
+def test_enable_after_jax_started_registers_for_the_platforms_this_process_has():
+    """`enable` with no platform named covers cpu, cuda, rocm and tpu; a platform without a backend
+    here gets the hook only if one starts, and registering must not raise for it."""
+    import jax
+
+    jax.devices()  # JAX's backends are up
+    with xla_passes_jax.enable("dce") as settings:
+        assert set(settings.platforms) == {"cpu", "cuda", "rocm", "tpu"}
+        _compile_fresh("after_start")
+
+
 def test_xla_passes_runs_in_an_unmodified_program_and_dumps_every_step(tmp_path):
     dump = tmp_path / "dump"
     result = run_worker("program", "--test-passes", "--log-info",
@@ -312,7 +339,7 @@ def test_opcode_count_reads_the_serialized_module():
     from hlo_tools.xla import proto_patch, xla_bridge
 
     proto = xla_bridge.text_to_proto(TWO_ALL_REDUCES)
-    module = hlo_tools.parse_module(xla_bridge.proto_to_text(proto))
+    module = hlo_tools.parse_module(xla_bridge.hook_module_text(proto))
     for opcode in ("all-reduce", "parameter", "tuple", "add", "all-gather", "all-reduce-start"):
         expected = sum(1 for instr in module.instructions() if instr.opcode == opcode)
         assert proto_patch.opcode_count(proto, opcode) == expected, opcode

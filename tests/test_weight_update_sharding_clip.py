@@ -68,7 +68,7 @@ def _train(style: str, optimizer_name: str, steps: int) -> dict[str, np.ndarray]
 
     model = MLP()
     optimizer = _clipped(optimizer_name)
-    mesh = jax.make_mesh((8,), ("data",))
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))  # jax 0.12 defaults to Explicit
 
     def loss_fn(params, x, y):
         return optax.softmax_cross_entropy_with_integer_labels(model.apply(params, x), y).mean()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import weakref
 from collections import Counter
 from typing import Callable, Hashable, Iterable, Sequence
 
@@ -720,11 +721,36 @@ SHARDY_BODY_PREFIX = "xla.sdy.manual_computation_body"
 
 
 def in_shardy_body(instr: HloInstruction) -> bool:
-    """Whether `instr` is in the body of a Shardy `shard_map` (`xla.sdy.manual_computation_body*`),
-    a per-device computation inside a module XLA has yet to partition: there XLA of jaxlib
-    0.10.2 refuses tuple-shaped all-reduces and reduce-scatters and aborts on tuple-shaped
-    all-gathers when it compiles the module."""
-    return instr.parent.name.startswith(SHARDY_BODY_PREFIX)
+    """Whether `instr` runs inside the body of a Shardy `shard_map` (`xla.sdy.manual_computation_body*`),
+    directly or in a computation that body calls (a `while` body of a `lax.scan`, a `conditional`
+    branch, a `call`): a per-device computation inside a module XLA has yet to partition, where
+    XLA of jaxlib 0.10.2 refuses tuple-shaped all-reduces and reduce-scatters and aborts on
+    tuple-shaped all-gathers when it compiles the module."""
+    comp = instr.parent
+    return comp.name.startswith(SHARDY_BODY_PREFIX) or comp in shardy_computations(comp.parent)
+
+
+_shardy_computations: "weakref.WeakKeyDictionary[HloModule, tuple[tuple, frozenset]]" = weakref.WeakKeyDictionary()
+
+
+def shardy_computations(module: HloModule) -> frozenset:
+    """The Shardy `shard_map` bodies of `module` and every computation they call, transitively
+    (cached until the module's computations change)."""
+    computations = tuple(module.computations)
+    cached = _shardy_computations.get(module)
+    if cached is not None and cached[0] == computations:
+        return cached[1]
+    inside, stack = set(), [c for c in computations if c.name.startswith(SHARDY_BODY_PREFIX)]
+    while stack:
+        comp = stack.pop()
+        if comp in inside:
+            continue
+        inside.add(comp)
+        stack.extend(callee for instr in comp.instructions for callee in instr.called_computations
+                     if instr.opcode != "fusion")
+    result = frozenset(inside)
+    _shardy_computations[module] = (computations, result)
+    return result
 
 
 def tuple_combinable_key(instr: HloInstruction, *, by_dimension: bool = True) -> tuple | None:

@@ -157,6 +157,16 @@ def _yes_no(values: Mapping[str, tuple[object, str]], setting: str, strict: bool
                              f"{', '.join(_TRUE_WORDS + _FALSE_WORDS[1:])}, in any case)", strict=strict)
 
 
+def check_requested(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether `XLA_PASSES_CHECK` asks for translation validation, which `xla-opt` and
+    `xla_passes.jax.jit` honour as the hook does.
+
+    Raises:
+      ConfigurationError: the value is not a yes/no word.
+    """
+    return _yes_no(environment_values(environ), "check", strict=True)
+
+
 def strict_requested(environ: Mapping[str, str] | None = None) -> bool:
     """Whether `XLA_PASSES_STRICT` asks for errors (a value that is not yes/no counts as yes)."""
     value = (os.environ if environ is None else environ).get(STRICT_VARIABLE, "")

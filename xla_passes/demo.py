@@ -23,7 +23,9 @@ all-reduce combiner on, donation asked for), what a user has:
                                the same, adam's moments kept sharded between steps.
 
 XLA of jaxlib 0.10.2 drops the buffer donation of every module a pass hook hands
-back, so the two hook runs allocate fresh outputs each step; the jit runs keep it.
+back, so there the two hook runs allocate fresh outputs each step; from jaxlib 0.11.1
+on XLA keeps it (jax-ml/jax#40280), and the hook runs donate what the plain run
+donates. The jit runs keep it on every version.
 The plugin dumps each module before and after the hook's passes. The runs then
 train from the same start on the same data, their steps interleaved (in rounds,
 their order rotating) so that the machine's load hits all alike. The table
@@ -59,7 +61,7 @@ import hlo_tools
 import xla_passes
 from hlo_tools import cli
 from hlo_tools.inspection import report
-from hlo_tools.xla import runner
+from hlo_tools.xla import runner, xla_bridge
 from hlo_tools.inspection.stats import module_stats, xla_cost
 from xla_passes import training
 
@@ -240,7 +242,8 @@ def run_demo(args: argparse.Namespace, progress: Progress) -> dict:
     plain = runs[PLAIN]
     results = {"model": {"widths": list(widths), "batch_per_device": batch_per_device,
                          "devices": training.N_DEVICES, "steps": len(plain["losses"])},
-               "dumps": dumps, "runs": {}}
+               "dumps": dumps, "runs": {}, "jax": jax.__version__, "jaxlib": xla_bridge.jaxlib_version_text(),
+               "hook_keeps_donation": xla_bridge.hook_keeps_donation()}
     for name, run in runs.items():
         passes, where = RUNS[name]
         results["runs"][name] = {
@@ -302,8 +305,8 @@ def format_table(results: dict) -> str:
               "interleaved in rounds, their order rotating.",
               ""]
     if plain["aliased_bytes"] and any(not run["aliased_bytes"] for run in runs.values()):
-        lines += ["Donated 0 MB: XLA of jaxlib 0.10.2 drops the donation (input/output aliasing) of every "
-                  "module a pass hook hands back (fixed upstream in openxla/xla, UpdateHloModuleFromProto), so "
+        lines += [f"Donated 0 MB: XLA of jaxlib {results['jaxlib']} drops the donation (input/output aliasing) of "
+                  "every module a pass hook hands back (jaxlib 0.11.1 and newer keep it, jax-ml/jax#40280), so "
                   "those steps write fresh outputs and hold the old state beside them (peak memory); "
                   f"the {JIT} runs keep it. See docs/weight_update_sharding.md#buffer-donation.", ""]
     lines += [format_spatial(results["spatial"]),

@@ -50,9 +50,10 @@ from hlo_tools.ir.parser import garbage_collection_paused
 
 from . import validation
 from .collectives import apply_platform_thresholds
-from .configuration import (ALL_PLATFORMS, CHECK_VARIABLE, DUMP_VARIABLE, PRE_SCHEDULER, STRICT_VARIABLE,
-                            ConfigurationError, Settings, configured_settings)
+from .configuration import (ALL_PLATFORMS, CHECK_VARIABLE, DUMP_VARIABLE, POST_SCHEDULER, PRE_SCHEDULER,
+                            STRICT_VARIABLE, ConfigurationError, Settings, check_requested, configured_settings)
 from .core import PassError
+from .passes.call_inliner import wrap_in_fusions
 from .pipeline import Pipeline
 from .replica_groups import inferred_device_counts
 
@@ -198,41 +199,32 @@ def _switch(settings: Settings | None, explicit: bool = True) -> None:
         _configured_in_process |= explicit
 
 
-def _jax_xla():
-    from jax.extend import xla  # noqa: PLC0415 - only when passes are switched on
-
-    return xla
-
-
 def _install(stage: str, platforms: tuple[str, ...]) -> None:
     """Register the hook for `stage` on `platforms` where it is not yet registered.
 
-    The CPU hook is registered in-process and removed when passes go off or
-    move to the other stage. Hooks for other platforms go through JAX's
-    backend-start callbacks, which cannot be taken back, so they stay for the
-    life of the process and return "unchanged" whenever the settings do not
-    ask for them. Registering a name twice would run the hook twice, hence the
-    bookkeeping in `_installed`.
+    Registering starts nothing (`xla_bridge.register_pass_hook`), so the JAX plugin can do it
+    while JAX starts its backends; a platform this process has no backend for gets the hook
+    only if its backend starts. The CPU hook is removed when passes go off or move to the other
+    stage. Hooks on other platforms cannot always be taken back, so they stay for the life of
+    the process and return "unchanged" whenever the settings do not ask for them. Registering a
+    name twice would run the hook twice, hence the bookkeeping in `_installed`.
     """
-    xla = _jax_xla()
     for other_stage in {s for s, p in _installed if p == "cpu" and s != stage}:
-        xla.clear_hlo_module_transformation(HOOK_NAME, xla.PipelineStage[other_stage.upper()], platforms="cpu")
+        xla_bridge.clear_pass_hook(HOOK_NAME, other_stage, "cpu")
         _installed.discard((other_stage, "cpu"))
     if "cpu" not in platforms:
         _uninstall_cpu()
     for platform in platforms:
         if (stage, platform) not in _installed:
-            xla.register_hlo_module_transformation(
-                functools.partial(_transform, stage, platform), name=HOOK_NAME,
-                stage=xla.PipelineStage[stage.upper()], platforms=platform)
+            xla_bridge.register_pass_hook(functools.partial(_transform, stage, platform), name=HOOK_NAME,
+                                          stage=stage, platform=platform)
             _installed.add((stage, platform))
 
 
 def _uninstall_cpu() -> None:
     """Take the CPU hook away at every stage, so that compiles without passes pay nothing."""
     for stage in {s for s, p in _installed if p == "cpu"}:
-        xla = _jax_xla()
-        xla.clear_hlo_module_transformation(HOOK_NAME, xla.PipelineStage[stage.upper()], platforms="cpu")
+        xla_bridge.clear_pass_hook(HOOK_NAME, stage, "cpu")
         _installed.discard((stage, "cpu"))
 
 
@@ -259,7 +251,8 @@ def rewrite_module(module_proto: bytes, settings: Settings, platform: str = "cpu
     start = time.perf_counter()
     try:
         pipeline = Pipeline(settings.passes, dump_to=settings.dump_to, module_number=number, layouts_final=True,
-                            on_dump_error=_dump_failed)
+                            on_dump_error=_dump_failed,
+                            after_pass=_wrap_in_fusions if settings.stage == POST_SCHEDULER else None)
         apply_platform_thresholds(pipeline.all_passes(), platform)
         if not settings.dump_to and not pipeline.could_change(functools.partial(proto_patch.opcode_count, module_proto)):
             logger.info("xla_passes: module_%04d %s: skipped, nothing the passes act on, in %.1f ms", number,
@@ -267,7 +260,7 @@ def rewrite_module(module_proto: bytes, settings: Settings, platform: str = "cpu
             return None
         with garbage_collection_paused():  # the IR becomes garbage only once the hook returns
             # Bodies other than the entry's (mostly fusions, which few passes read) are parsed when read.
-            module = hlo_tools.parse_module(xla_bridge.proto_to_text(module_proto), lazy_bodies=True)
+            module = hlo_tools.parse_module(xla_bridge.hook_module_text(module_proto), lazy_bodies=True)
             name = module.name
             signature = _entry_signature(module)
             changed = pipeline.run(module)
@@ -281,8 +274,10 @@ def rewrite_module(module_proto: bytes, settings: Settings, platform: str = "cpu
                           or xla_bridge.text_to_proto(module.to_text()))
             if changed and settings.check:
                 _check(module_proto, result, module, pipeline, settings, platform)
-            if changed and ("input_output_alias" in module.attrs or "buffer_donor" in module.attrs):
-                _warn_once("XLA of jaxlib 0.10.2 drops the buffer donation of every module a pass hook hands back: "
+            if changed and not xla_bridge.hook_keeps_donation() and (
+                    "input_output_alias" in module.attrs or "buffer_donor" in module.attrs):
+                _warn_once(f"XLA of jaxlib {'.'.join(map(str, xla_bridge.JAXLIB_VERSION))} drops the buffer "
+                           "donation of every module a pass hook hands back (jaxlib 0.11.1 and newer keep it): "
                            "donated arguments are copied and the step's peak memory grows by their size; "
                            "xla_passes.jax.jit(fun, passes=..., donate_argnums=...) runs the passes before XLA's "
                            "optimizations and keeps it")
@@ -302,6 +297,18 @@ def rewrite_module(module_proto: bytes, settings: Settings, platform: str = "cpu
     return result
 
 
+def _wrap_in_fusions(_pass_name: str, module) -> None:
+    """After XLA's scheduling nothing fuses what the passes added: XLA:CPU (jaxlib 0.11+) runs
+    elementwise and reduction instructions only inside fusions, so each goes in a kLoop fusion of
+    its own, in every computation that runs on its own (the entry, while, conditional and call
+    bodies; not fusion bodies or reducers)."""
+    called = {callee for instr in module.instructions() if instr.opcode in ("while", "conditional", "call")
+              for callee in instr.called_computations}
+    for comp in [module.entry, *called]:
+        if comp.parsed:   # a body left unread is XLA's own, already fused
+            wrap_in_fusions(comp)
+
+
 def _check(original: bytes, rewritten: bytes, module, pipeline: Pipeline, settings: Settings,
            platform: str) -> None:
     """Translation validation of one rewrite (`xla_passes.validation`).
@@ -317,7 +324,7 @@ def _check(original: bytes, rewritten: bytes, module, pipeline: Pipeline, settin
     if counts is None:
         raise PassError(f"{CHECK_VARIABLE}: cannot tell how many devices the module runs on, so it cannot be "
                         f"checked")
-    replicated = validation.replicated_parameters(hlo_tools.parse_module(xla_bridge.proto_to_text(original),
+    replicated = validation.replicated_parameters(hlo_tools.parse_module(xla_bridge.hook_module_text(original),
                                                                          lazy_bodies=True), pipeline.all_passes())
 
     def check(candidate: bytes) -> validation.Verdict:
@@ -337,7 +344,7 @@ def _check(original: bytes, rewritten: bytes, module, pipeline: Pipeline, settin
 
 def _first_wrong_pass(original: bytes, settings: Settings, check) -> tuple[str, "validation.Verdict"] | None:
     """The first top-level item of the pipeline after which the module differs, and that verdict."""
-    module = hlo_tools.parse_module(xla_bridge.proto_to_text(original), lazy_bodies=True)
+    module = hlo_tools.parse_module(xla_bridge.hook_module_text(original), lazy_bodies=True)
     pipeline = Pipeline(settings.passes)
     apply_platform_thresholds(pipeline.all_passes(), "cpu")  # the check runs CPU compiles only
     for item in pipeline.passes:
@@ -379,7 +386,7 @@ def _entry_signature(module) -> list[str]:
 
 # -- xla_passes.jax.jit: passes before XLA's optimizations, donation kept ----------------------------
 
-def jit(fun, *, passes: str, **jit_kwargs) -> "PassJitted":
+def jit(fun, *, passes: str, strict: bool = False, check: bool | None = None, **jit_kwargs) -> "PassJitted":
     """`jax.jit(fun, **jit_kwargs)` with the pipeline `passes` run on each program before XLA's
     optimizations, where it may still change the program's signature and keeps its donation.
 
@@ -393,41 +400,86 @@ def jit(fun, *, passes: str, **jit_kwargs) -> "PassJitted":
     a `jax.jit` + `NamedSharding` program gets its collectives only from XLA's partitioner,
     after this point.
 
+    As at the hook, the passes never break the program: when a pass fails, or XLA cannot
+    compile the rewritten module, or (with `check`) the rewritten module computes something
+    else than JAX's lowering on the same random inputs (`validation.check_offline_rewrite`),
+    one warning on the "xla_passes" logger names the passes and why, and JAX compiles its own
+    lowering. `strict=True` raises instead. `check` defaults to `XLA_PASSES_CHECK`.
+
     Returns an object called like the jitted function, with `.lower(*args)` as JAX's.
     """
-    return PassJitted(fun, Pipeline(passes), jit_kwargs)
+    return PassJitted(fun, Pipeline(passes), jit_kwargs, strict=strict,
+                      check=check_requested() if check is None else check)
 
 
 class PassJitted:
     """What `jit` returns: compiles once per argument signature, then calls the executable."""
 
-    def __init__(self, fun, pipeline: Pipeline, jit_kwargs: dict):
+    def __init__(self, fun, pipeline: Pipeline, jit_kwargs: dict, *, strict: bool = False, check: bool = False):
         import jax  # noqa: PLC0415
 
         self._jitted = jax.jit(fun, **jit_kwargs)
         self._passes = str(pipeline)
+        self._strict = strict
+        self._check = check
         self._static = (set(_as_tuple(jit_kwargs.get("static_argnums"))),
                         set(_as_tuple(jit_kwargs.get("static_argnames"))))
         self._compiled: dict = {}
         self.reports: list[str] = []   # what the passes said about the last program they rewrote
 
     def lower(self, *args, **kwargs) -> "PassLowered":
-        """JAX's lowering of `fun` for these arguments, with the passes applied to it."""
+        """JAX's lowering of `fun` for these arguments, with the passes applied to it (JAX's own
+        lowering, after one warning, where the passes fail or the check finds a difference)."""
         lowered = self._jitted.lower(*args, **kwargs)
         text = xla_bridge.lowered_module_text(lowered)
         module = hlo_tools.parse_module(text)
         before = _entry_shardings(module)
         pipeline = Pipeline(self._passes)
-        if pipeline.run(module):
-            after = _entry_shardings(module)
-            lowered = xla_bridge.with_lowered_module(
-                lowered, module.to_text(),
-                resharded_parameters=[i for i, s in enumerate(after[0]) if s != before[0][i]],
-                resharded_outputs=[i for i, s in enumerate(after[1]) if s != before[1][i]])
+        try:
+            changed = pipeline.run(module)
+            if changed and self._check:
+                verdict = validation.check_offline_rewrite(text, module.to_text(), pipeline.all_passes())
+                if not verdict.ok:
+                    what = "could not check the rewrite" if not verdict.checked else \
+                        "the rewritten module computes something else than JAX's lowering"
+                    raise PassError(f"{CHECK_VARIABLE}: {what}: {verdict.detail}")
+                logger.info("xla_passes.jax.jit: %s: checked in %.1f s: %s", module.name, verdict.seconds,
+                            verdict.detail)
+            rewritten = lowered
+            if changed:
+                after = _entry_shardings(module)
+                rewritten = xla_bridge.with_lowered_module(
+                    lowered, module.to_text(),
+                    resharded_parameters=[i for i, s in enumerate(after[0]) if s != before[0][i]],
+                    resharded_outputs=[i for i, s in enumerate(after[1]) if s != before[1][i]])
+        except Exception as exc:
+            self._refuse(module.name, exc)
+            self.reports = []
+            return PassLowered(lowered, lowered, module.name)
         self.reports = pipeline.reports()
         for line in self.reports:
             logger.info("xla_passes.jax.jit: %s", line)
-        return PassLowered(lowered)
+            if line.startswith("unchanged: "):   # a pass that refused the whole module says why
+                logger.warning("xla_passes.jax.jit: %s: %s", module.name, line)
+        return PassLowered(rewritten, lowered, module.name)
+
+    def _refuse(self, name: str, exc: Exception) -> None:
+        """The passes' result cannot be used: raise under `strict`, else one warning."""
+        if self._strict:
+            raise exc
+        logger.warning("xla_passes.jax.jit: %s: %s: %s: %s; JAX compiles its own lowering (strict=True makes "
+                       "this an error)", name, self._passes, type(exc).__name__, str(exc).strip().splitlines()[0]
+                       if str(exc).strip() else "")
+
+    def _compile(self, *args, **kwargs):
+        lowered = self.lower(*args, **kwargs)
+        try:
+            return lowered.compile()
+        except Exception as exc:  # XLA refused the rewritten module
+            if lowered.original is lowered._lowered:  # JAX's own lowering: not ours to hide
+                raise
+            self._refuse(lowered.module_name, exc)
+            return lowered.original.compile()
 
     def __call__(self, *args, **kwargs):
         import jax  # noqa: PLC0415
@@ -436,7 +488,7 @@ class PassJitted:
         key = self._key(args, kwargs)
         compiled = self._compiled.get(key)
         if compiled is None:
-            compiled = self.lower(*args, **kwargs).compile()
+            compiled = self._compile(*args, **kwargs)
             self._compiled[key] = compiled
             # the arguments it takes back: its own outputs (state the passes left sharded)
             self._compiled[self._key(args, kwargs, compiled.input_shardings)] = compiled
@@ -471,10 +523,13 @@ class PassJitted:
 
 
 class PassLowered:
-    """JAX's `Lowered` of the rewritten program, plus `memory_analysis()` of its compiled form."""
+    """JAX's `Lowered` of the rewritten program, plus `memory_analysis()` of its compiled form;
+    `original` is JAX's own lowering."""
 
-    def __init__(self, lowered):
+    def __init__(self, lowered, original, module_name: str):
         self._lowered = lowered
+        self.original = original
+        self.module_name = module_name
 
     def __getattr__(self, name):
         return getattr(self._lowered, name)

@@ -16,14 +16,13 @@ import os
 import re
 import sys
 
-import numpy as np
-
 import hlo_tools
 from hlo_tools import cli
 from hlo_tools.inspection import cost_model
 from hlo_tools.cli.cost_command import add_machine_options, machine
 
 from . import validation
+from .configuration import check_requested
 from .core import PassError, registered_passes
 from .pipeline import LAYOUTS_FINAL_NOTE, Pipeline
 
@@ -58,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "header says so): new collectives must have layouts XLA can run as they are")
     parser.add_argument("--check", action="store_true",
                         help="run the module before and after the passes on the same random inputs (hlo-tools "
-                             "run's devices and conventions) and fail, writing nothing, when they differ")
+                             "run's devices and conventions) and fail, writing nothing, when they differ "
+                             "(default: on when XLA_PASSES_CHECK is set to a yes value)")
     parser.add_argument("--regenerate", action="store_true",
                         help="print every instruction from the IR in XLA's style, not only the changed ones")
     return parser
@@ -184,43 +184,15 @@ def _step_times(module_name: str, machine: cost_model.Machine):
     return price
 
 
-def check_inputs(text: str, original: str, passes=()) -> list[np.ndarray]:
-    """Random global inputs for the module `text` as `--check` feeds it: in a replica program
-    the parameters `original` declares replicated (all, when one of `passes` assumes so) get the
-    same slice on every replica, since a pass may rely on that.
-
-    Raises:
-      runner.RunError: XLA cannot load `text`.
-    """
-    from hlo_tools.xla import runner  # noqa: PLC0415 - compiles with XLA
-
-    loaded = runner.load_module(text, "check")
-    inputs = runner.random_inputs(loaded.global_signature())
-    if loaded.mode == "replica":  # slice i goes to replica i: replicated parameters get equal slices
-        for number in validation.replicated_parameters(hlo_tools.parse_module(original), passes):
-            inputs[number] = np.broadcast_to(inputs[number][:1], inputs[number].shape).copy()
-    return inputs
-
-
 def _check(original: str, module: hlo_tools.HloModule, pipeline: Pipeline) -> None:
-    """Translation validation of an offline rewrite: both modules on the same global inputs
-    (replicated where the passes may assume it), compared within `validation`'s bounds."""
-    from hlo_tools.xla import runner  # noqa: PLC0415 - compiles with XLA
-
-    rewritten = module.to_text()
-    try:
-        inputs = check_inputs(rewritten, original, pipeline.all_passes())
-        outcome = runner.compare_modules(rewritten, original, inputs, isolate=True,
-                                         abs_error_bound=validation.ABS_ERROR_BOUND,
-                                         rel_error_bound=validation.REL_ERROR_BOUND)
-    except runner.RunError as exc:
-        raise cli.CommandError(f"--check: could not run {module.name}: {exc}") from exc
-    comparison = outcome[2]
-    if not comparison.ok:
-        first = comparison.mismatched[0].format() if comparison.mismatched else comparison.summary()
+    """Translation validation of an offline rewrite (`validation.check_offline_rewrite`)."""
+    verdict = validation.check_offline_rewrite(original, module.to_text(), pipeline.all_passes())
+    if not verdict.checked:
+        raise cli.CommandError(f"--check: {module.name}: {verdict.detail}")
+    if not verdict.ok:
         raise cli.CommandError(f"--check: {module.name} after {pipeline} computes something else than before: "
-                               f"{first}")
-    print(f"{PROG}: check: {module.name}: {comparison.summary().replace('the reference', 'the input module')}",
+                               f"{verdict.detail}")
+    print(f"{PROG}: check: {module.name}: {verdict.detail.replace('the original module', 'the input module')}",
           file=sys.stderr)
 
 
@@ -246,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         text = cli.read_text(args.input)
         result = optimize(text, args.passes, path=path, split=args.split_input_file,
                           verify=args.verify, dump_to=args.dump_to, regenerate=args.regenerate,
-                          report=args.report, check=args.check, layouts_final=args.layouts_final,
+                          report=args.report, check=args.check or check_requested(),
+                          layouts_final=args.layouts_final,
                           machine=_machine(args))
         cli.write_output(result, args.output, args.input)
         return 0

@@ -161,16 +161,14 @@ def hand_back_hook():
     """A pass hook that returns the module XLA gives it, bytes unchanged: what the hook API itself costs.
 
     XLA rebuilds its module from whatever a hook returns, which is where jaxlib 0.10.2 drops
-    the module's buffer donation and where part of the plugin's compile time goes.
+    the module's buffer donation (`xla_bridge.hook_keeps_donation`) and where part of the
+    plugin's compile time goes.
     """
-    from jax.extend import xla  # noqa: PLC0415
-
-    stage = xla.PipelineStage.PRE_SCHEDULER
-    xla.register_hlo_module_transformation(bytes, name="xla_passes.hand_back", stage=stage, platforms="cpu")
+    xla_bridge.register_pass_hook(bytes, name="xla_passes.hand_back", stage="pre_scheduler", platform="cpu")
     try:
         yield
     finally:
-        xla.clear_hlo_module_transformation("xla_passes.hand_back", stage, platforms="cpu")
+        xla_bridge.clear_pass_hook("xla_passes.hand_back", "pre_scheduler", "cpu")
 
 
 def compiled_costs(compiled) -> dict[str, float]:

@@ -95,6 +95,45 @@ def check_rewrite(original: bytes, rewritten: bytes, *, counts: DeviceCounts, re
     return Verdict(result["ok"], result["detail"], time.perf_counter() - start, result.get("checked", True))
 
 
+def check_inputs(text: str, original: str, passes=()) -> list[np.ndarray]:
+    """Random global inputs for the module `text`, as the offline check feeds it: in a replica
+    program the parameters `original` declares replicated (all, when one of `passes` assumes so)
+    get the same slice on every replica, since a pass may rely on that.
+
+    Raises:
+      runner.RunError: XLA cannot load `text`.
+    """
+    from hlo_tools import parse_module  # noqa: PLC0415
+    from hlo_tools.xla import runner  # noqa: PLC0415 - compiles with XLA
+
+    loaded = runner.load_module(text, "check")
+    inputs = runner.random_inputs(loaded.global_signature())
+    if loaded.mode == "replica":  # slice i goes to replica i: replicated parameters get equal slices
+        for number in replicated_parameters(parse_module(original), passes):
+            inputs[number] = np.broadcast_to(inputs[number][:1], inputs[number].shape).copy()
+    return inputs
+
+
+def check_offline_rewrite(original: str, rewritten: str, passes=()) -> Verdict:
+    """Translation validation of a rewrite before XLA's optimizations (`xla-opt --check`,
+    `xla_passes.jax.jit(..., check=True)`): both modules on the same random global inputs
+    (`check_inputs`), in a child process, compared within this module's bounds."""
+    from hlo_tools.xla import runner  # noqa: PLC0415 - compiles with XLA
+
+    start = time.perf_counter()
+    try:
+        comparison = runner.compare_modules(rewritten, original, check_inputs(rewritten, original, passes),
+                                            isolate=True, abs_error_bound=ABS_ERROR_BOUND,
+                                            rel_error_bound=REL_ERROR_BOUND)[2]
+    except runner.RunError as exc:
+        return Verdict(False, f"could not run the modules: {exc}", time.perf_counter() - start, checked=False)
+    if comparison.ok:
+        return Verdict(True, comparison.summary().replace("the reference", "the original module"),
+                       time.perf_counter() - start)
+    first = comparison.mismatched[0].format() if comparison.mismatched else comparison.summary()
+    return Verdict(False, first, time.perf_counter() - start)
+
+
 def _child_env(devices: int) -> dict:
     """The user's environment without the passes (the child must compile modules as given) and
     with `devices` CPU devices."""

@@ -1,8 +1,9 @@
 """The one module that calls into jaxlib's XLA bindings.
 
 jaxlib moves these APIs between releases, so every call into XLA goes through
-this module and nothing else in the project imports ``jax._src``.  Verified on
-jaxlib 0.10.2.
+this module and nothing else in the project imports ``jax._src``.  Supported and
+tested: jax/jaxlib 0.10.2 (Python 3.11) to 0.12 (Python 3.13); where the two differ, the
+difference is handled here (``JAXLIB_VERSION``).
 
 Safety: XLA's C++ HLO parser recurses once per nesting level and crashes the
 whole process (a segfault, not an exception) on input nested about ten thousand
@@ -16,7 +17,19 @@ functions (compiling, executing) go in their own section at the end.
 
 from __future__ import annotations
 
+import re as _re
+
+import jaxlib as _jaxlib
 from jax._src.lib import xla_client as _xc
+
+# (major, minor, patch) of the jaxlib in this process: 0.12.0.1 reads (0, 12, 0).
+JAXLIB_VERSION: tuple[int, int, int] = tuple(int(n) for n in _re.findall(r"\d+", _jaxlib.__version__)[:3])
+
+
+
+def jaxlib_version_text() -> str:
+    return _jaxlib.__version__
+
 
 # --- Errors -----------------------------------------------------------------
 
@@ -87,6 +100,35 @@ def proto_to_text(data: bytes, canonical: bool = False) -> str:
     except RuntimeError as exc:
         raise XlaBridgeError(f"XLA could not read the module proto: {_xla_message(exc)}") from exc
     return xla_print(module, canonical, large_constants=not canonical)
+
+
+_ENTRY_HEAD = _re.compile(r"^ENTRY ", _re.MULTILINE)
+_PARAMETER_LINE = _re.compile(r"^(\s*(?:ROOT )?%?[^\s=]+ = .*? parameter\((\d+)\))(.*)$", _re.MULTILINE)
+
+
+def hook_module_text(data: bytes) -> str:
+    """The text of a module proto that a pass hook got (`proto_to_text`), its entry parameters
+    annotated with the shardings XLA's partitioner gave them, as jaxlib 0.10.2 prints them.
+
+    From jaxlib 0.11 on the partitioned module's parameters carry no `sharding=`, and which of
+    them every device holds whole (the weights of a data-parallel step) is kept only in the
+    module's config (`entry_parameter_shardings`); the passes read it from the text.
+    """
+    text = proto_to_text(data)
+    shardings = entry_parameter_shardings(data)
+    entry = _ENTRY_HEAD.search(text)
+    if not shardings or entry is None:
+        return text
+    end = text.find("\n}", entry.start())
+    end = len(text) if end < 0 else end
+
+    def annotate(match) -> str:
+        number = int(match.group(2))
+        if "sharding=" in match.group(3) or number >= len(shardings):
+            return match.group(0)
+        return f"{match.group(1)}, sharding={shardings[number]}{match.group(3)}"
+
+    return text[:entry.start()] + _PARAMETER_LINE.sub(annotate, text[entry.start():end]) + text[end:]
 
 
 def same_meaning(text_a: str, text_b: str) -> bool:
@@ -245,10 +287,30 @@ def describe_sharding(text: str):
     ``("unknown", text)``.
     """
     try:
-        sharding = _xc.HloSharding.from_string(text)
+        sharding = _tiled_form(_xc.HloSharding.from_string(text))
     except RuntimeError as exc:
         raise XlaBridgeError(f"XLA could not read the sharding {text}: {_xla_message(exc)}") from exc
     return _describe(sharding)
+
+
+def _tiled_form(sharding):
+    """`sharding` as a tile assignment: jaxlib 0.12's XLA writes shardings over named mesh axes
+    (`{mesh['d'=8], [{'d'}, {}]}`, "HloShardingV3"), whose tile queries abort the process."""
+    convert = getattr(_xc.HloSharding, "v3_to_v2_sharding", None)
+    return sharding if convert is None else convert(sharding)
+
+
+def entry_parameter_shardings(data: bytes) -> list[str] | None:
+    """The sharding XLA's partitioner gave each entry parameter of a partitioned module, as
+    tile-assignment text (`{devices=[8,1]<=[8]}`); None when the module proto has none.
+
+    jaxlib 0.10.2 also writes them on the parameters (`sharding=`); from 0.11 on the
+    partitioned module's text has none, and only its config (`spmd_parameters_shardings`) keeps them.
+    """
+    shardings = list(module_from_proto(data).spmd_parameters_shardings or ())
+    if not shardings:
+        return None
+    return [str(_tiled_form(_xc.HloSharding.from_proto(s))) for s in shardings]
 
 
 def _describe(sharding):
@@ -419,6 +481,84 @@ def compile_module(module, platform: str, devices: list, process_index: int, *,
     return Executable(loaded, devices, process_index)
 
 
+# --- XLA's pass hooks (xla_passes.jax) ----------------------------------------------------------
+#
+# XLA calls a registered callback with each module it compiles, at a stage of its pipeline, and
+# compiles what the callback returns. `jax.extend.xla.register_hlo_module_transformation` starts
+# JAX's backends first from jax 0.11 on, which re-enters JAX's plugin discovery (and hangs) when it
+# is called from a plugin's `initialize()`, and asks every named platform for its PJRT plugin,
+# which fails for a platform the process does not have. The functions here register the same
+# callbacks without starting anything: CPU hooks directly, other platforms' hooks when (and if)
+# their plugin is discovered or their backend starts.
+
+STAGES = ("pre_scheduler", "post_scheduler")   # XLA's PipelineStage, in its numbering
+
+
+def _stage_number(stage: str) -> int:
+    return STAGES.index(stage)
+
+
+def hook_keeps_donation() -> bool:
+    """Whether XLA keeps the buffer donation (`input_output_alias`, `buffer_donor`) of a module a
+    hook hands back: from jaxlib 0.11.1 on (jax-ml/jax#40280); 0.10.2 resets both."""
+    return JAXLIB_VERSION >= (0, 11, 1)
+
+
+def register_pass_hook(callback, *, name: str, stage: str, platform: str) -> None:
+    """Have XLA call `callback(module_proto) -> bytes | None` on every `platform` compile at `stage`.
+
+    Safe to call while JAX starts its backends (from a JAX plugin's `initialize()`): nothing is
+    started. A platform without a backend in this process gets the hook if one starts later.
+    """
+    from jax._src import xla_bridge as _xb  # noqa: PLC0415
+    from jax._src.lib import _xla  # noqa: PLC0415
+
+    number = _stage_number(stage)
+    if platform == "cpu":   # XLA:CPU is in jaxlib itself, not a PJRT plugin
+        _xla.register_xla_transform(name, number, callback)
+        return
+    if JAXLIB_VERSION >= (0, 11):   # hooks go on a plugin's C API, once plugins are discovered
+        def on_plugin(c_api):
+            if any(f.c_api is c_api for p, f in list(_xb._backend_factories.items()) if p == platform):
+                _xla.register_xla_transform_c_api(c_api, name, number, callback)
+
+        _xb.register_plugin_callbacks(on_plugin)
+        return
+
+    def on_backend(client):   # jaxlib 0.10: on a started client
+        if client.platform in (platform, _PLATFORM_ALIASES.get(platform)):
+            try:
+                _xla.register_xla_transform_c_api(client, name, number, callback)
+            except RuntimeError:
+                pass   # a backend that takes no hooks compiles without them
+
+    _xb.register_backend_initialization_hook(on_backend)
+
+
+_PLATFORM_ALIASES = {"cuda": "gpu", "rocm": "gpu"}
+
+
+def clear_pass_hook(name: str, stage: str, platform: str) -> bool:
+    """Take the hook `name` at `stage` away from `platform`; whether there was one.
+
+    A non-CPU hook can be taken away only once its backend has started: callers keep the
+    others and have them return None.
+    """
+    from jax._src import xla_bridge as _xb  # noqa: PLC0415
+    from jax._src.lib import _xla  # noqa: PLC0415
+
+    number = _stage_number(stage)
+    if platform == "cpu":
+        return bool(_xla.clear_xla_transform(name, number))
+    if not _xb.backends_are_initialized() or platform not in _xb.backends():
+        return False
+    if JAXLIB_VERSION >= (0, 11):
+        from jax._src.lib import _jax  # noqa: PLC0415
+
+        return bool(_xla.clear_xla_transform_c_api(_jax.get_pjrt_plugin(platform), name, number))
+    return bool(_xla.clear_xla_transform_c_api(_xb.backends()[platform], name, number))
+
+
 # --- Compiling a module XLA has already optimized ---------------------------------------------
 #
 # jaxlib 0.10.2 compiles only from StableHLO, and the conversion from HLO drops what a module
@@ -460,8 +600,6 @@ def compile_optimized_module(proto: bytes, platform: str, devices: list, process
     """Compile serialized module bytes that XLA produced at pipeline `stage` ("pre_scheduler":
     laid out and fused, as JAX's pass hook gets it; "post_scheduler": scheduled too), from that
     stage on, for ``devices`` (see the section comment)."""
-    from jax.extend import xla as _jax_xla  # noqa: PLC0415
-
     program_shape = _xc.XlaComputation(bytes(proto)).program_shape()
     for number, parameter in enumerate(program_shape.parameter_shapes()):
         # inputs go in row-major; a laid-out entry parameter would read them in its own order
@@ -470,19 +608,18 @@ def compile_optimized_module(proto: bytes, platform: str, devices: list, process
                                  f"an optimized stage takes inputs in the default layout only")
     stand_in = xla_parse(_stand_in_text(program_shape))
     name = f"hlo_tools_swap_{id(proto)}"
-    hook_stage = _jax_xla.PipelineStage[stage.upper()]
 
     def swap(_module_bytes):
         return bytes(proto)
 
     with _swap_lock:  # one swap hook at a time: every compile while it is registered gets `proto`
-        _jax_xla.register_hlo_module_transformation(swap, name=name, stage=hook_stage, platforms=platform)
+        register_pass_hook(swap, name=name, stage=stage, platform=platform)
         try:
             return compile_module(stand_in, platform, devices, process_index, num_replicas=num_replicas,
                                   num_partitions=num_partitions,
                                   partitioner="prepartitioned" if num_partitions > 1 else "none")
         finally:
-            _jax_xla.clear_hlo_module_transformation(name, hook_stage, platforms=platform)
+            clear_pass_hook(name, stage, platform)
 
 
 def gather_from_processes(per_device: dict[int, _np.ndarray], devices: list,

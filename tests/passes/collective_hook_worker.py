@@ -123,7 +123,7 @@ def compile_and_run(build, pipeline: str | None) -> tuple[list[np.ndarray], list
     seen = []
 
     def hook(proto: bytes) -> bytes | None:
-        module = hlo_tools.parse_module(xla_bridge.proto_to_text(proto))
+        module = hlo_tools.parse_module(xla_bridge.hook_module_text(proto))
         before = collective_counts(module)
         changed = xla_passes.run_passes(module, pipeline)
         seen.append((before, collective_counts(module)))

@@ -27,6 +27,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import hlo_tools
+from xla_passes.replica_groups import written_groups
 import xla_passes
 import xla_passes.jax
 from hlo_tools.xla import runner, xla_bridge
@@ -181,8 +182,8 @@ def test_report_says_what_it_grouped_and_why_it_kept_the_rest():
     statistics = [line for line in report if "statistic (mean over dims {0,1,2}" in line]
     assert len(statistics) == 4 and all("divisor" in line for line in statistics)
     # every new all-reduce sums over pairs; the step's own all-reduces (over all 8) are untouched
-    groups = {str(i.attrs["replica_groups"]) for i in module.instructions() if i.opcode == "all-reduce"}
-    assert groups == {"{{0,1},{2,3},{4,5},{6,7}}", "{{0,1,2,3,4,5,6,7}}"}
+    groups = {str(written_groups(i)) for i in module.instructions() if i.opcode == "all-reduce"}
+    assert groups == {"[[0, 1], [2, 3], [4, 5], [6, 7]]", "[[0, 1, 2, 3, 4, 5, 6, 7]]"}
 
 
 # -- refusals ----------------------------------------------------------------------------------------

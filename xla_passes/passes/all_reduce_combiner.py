@@ -35,6 +35,14 @@ all-reduce of a flat buffer (`combine_all_reduces_flat`)::
     all-reduce.reshape = f32[8,4] reshape(all-reduce.slice)
     all-reduce.slice.1 = f32[4]{0} slice(all-reduce), slice={[32:36]}
 
+XLA computes an all-reduce of floats narrower than 32 bits (bf16, f16, f8) in f32 and, with
+its default `xla_allow_excess_precision`, then drops the rounding of an operand that was itself
+rounded from f32 (`convert(convert(x, bf16), f32)` becomes `x`). Through a flat buffer's
+reshape and concatenate it does not see that pair, so the combined op would add the rounded
+operands where the separate ones add the exact ones (0.3% of a mixed-precision gradient).
+Such all-reduces are therefore not combined into a flat buffer; in the tuple form XLA
+promotes each element as it promotes a single all-reduce, and the sums are the same.
+
 Differences from XLA: already combined (tuple) all-reduces are combined further, flattened,
 and count with all their operands; structurally equal non-trivial reducers combine (XLA only
 combines reducers of one binary op). Async `all-reduce-start`/`-done` pairs and
@@ -47,10 +55,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hlo_tools import HloInstruction, HloModule
+from hlo_tools.ir.shape import DTYPE_BITS, FLOAT_DTYPES
 
 from ..collectives import (CombinerScope, collective_key, combine_all_reduces_flat, combine_collectives,
                            combiner_thresholds, in_shardy_body, run_combiner)
 from ..core import HloPass, register_pass
+
+
+# Float element types XLA sums in a wider type (and may skip a rounding of, see above).
+NARROW_FLOATS = frozenset(t for t in FLOAT_DTYPES if DTYPE_BITS[t] < 32)
 
 
 @register_pass
@@ -64,8 +77,16 @@ class AllReduceCombiner(HloPass):
 
     def run(self, module: HloModule, scope: CombinerScope | None = None) -> bool:
         """`scope`: `combiner_scope(module)`, when the caller (collective-fusion) has it already."""
-        return run_combiner(module, "all-reduce", collective_key, combine_all_reduces,
+        return run_combiner(module, "all-reduce", all_reduce_key, combine_all_reduces,
                             **combiner_thresholds(self), scope=scope)
+
+
+def all_reduce_key(instr: HloInstruction) -> tuple | None:
+    """`collective_key`, or None for an all-reduce of narrow floats that would go into a flat
+    buffer (see the module docstring: XLA would sum other values)."""
+    if in_shardy_body(instr) and any(leaf.dtype in NARROW_FLOATS for _, leaf in instr.shape.leaves()):
+        return None
+    return collective_key(instr)
 
 
 def combine_all_reduces(members: Sequence[HloInstruction]) -> HloInstruction:

@@ -952,6 +952,9 @@ class _ComputationSharder:
 _GLOBAL_TO_LOCAL = "xla.sdy.GlobalToLocalShape"
 _LOCAL_TO_GLOBAL = "xla.sdy.LocalToGlobalShape"
 _RESULT_SHARDING = "xla.sdy.FuncResultSharding"
+# What an entry output passes through on its way from the shard_map: JAX 0.11+ also annotates it
+# with a `Sharding` custom-call (its HloSharding and Shardy's), which must then say the new split too.
+_OUTPUT_ANNOTATIONS = (_RESULT_SHARDING, "Sharding")
 
 
 def _is_custom_call(instr: HloInstruction, target: str) -> bool:
@@ -1062,7 +1065,8 @@ class _ShardMapBoundary:
     def _body_value_of(self, value: HloInstruction) -> HloInstruction | None:
         """The get-tuple-element of the call that an entry output passes on unchanged, or None."""
         while value.operand_count == 1 and value.shape.dims == value.operand(0).shape.dims and (
-                value.opcode in ("reshape", "bitcast", "copy") or _is_custom_call(value, _RESULT_SHARDING)):
+                value.opcode in ("reshape", "bitcast", "copy")
+                or any(_is_custom_call(value, target) for target in _OUTPUT_ANNOTATIONS)):
             value = value.operand(0)
         if value.opcode != "get-tuple-element" or value.operand(0) is not self.local_to_global:
             return None
@@ -1158,7 +1162,7 @@ class _ShardMapBoundary:
         for output in outputs:
             value = entry_root.operand(output)
             while value.opcode != "get-tuple-element":
-                if _is_custom_call(value, _RESULT_SHARDING):
+                if any(_is_custom_call(value, target) for target in _OUTPUT_ANNOTATIONS):
                     _set_frontend_attribute(value, "xla.sdy.sharding",
                                             f"#sdy.sharding_per_value<[<@{self.mesh_name}, [{sdy_dims}]>]>")
                 if "sharding" in value.attrs:
