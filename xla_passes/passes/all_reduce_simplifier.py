@@ -179,17 +179,39 @@ class _Plan:
             _fold_means(product, value, self.group_size)
 
     def _times_group_size(self, value: HloInstruction, shape: Shape, sharding) -> HloInstruction:
-        """`value * group_size` in `value`'s element type, where the all-reduce was."""
+        """`value * group_size` in `value`'s element type, where the all-reduce was.
+
+        After XLA's fusion (JAX's hook) nothing fuses the product any more, and XLA would give
+        the broadcast count a buffer of the gradient's size: there the product is one kLoop
+        fusion (the constant, its broadcast and the multiply), like those XLA makes.
+        """
         comp, name = self.all_reduce.parent, self.all_reduce.name
-        scalar = Shape.array(shape.dtype, ())
-        count = comp.add_instruction("constant", (), scalar, name=f"{name}.count", before=self.all_reduce,
-                                     literal=Literal.parse(scalar, _in_dtype(self.group_size, shape.dtype)))
-        counts = comp.add_instruction("broadcast", [count], shape, name=f"{name}.count.broadcast",
-                                      attrs={"dimensions": ()}, before=self.all_reduce) if shape.rank else count
         attrs = {key: value for key, value in self.all_reduce.attrs.items() if key == "metadata"}
         if sharding is not None:
             attrs["sharding"] = sharding
-        return comp.add_instruction("multiply", [value, counts], shape, name=name, attrs=attrs, before=self.all_reduce)
+        if not comp.parent.layouts_final:
+            return _times(comp, value, self.group_size, shape, name, attrs, before=self.all_reduce)
+        body = HloComputation(comp.parent.unique_name(f"{name}.times_computation"))
+        _times(body, body.add_parameter(value.shape, name="param_0"), self.group_size, shape, f"{name}.times", {},
+               before=None, root=True)
+        comp.parent.add_computation(body, before=comp)
+        return comp.add_instruction("fusion", [value], shape, name=name, before=self.all_reduce,
+                                    attrs={"kind": "kLoop", "calls": body, **attrs})
+
+
+def _times(comp: HloComputation, value: HloInstruction, group_size: int, shape: Shape, name: str, attrs: dict, *,
+           before: HloInstruction | None, root: bool = False) -> HloInstruction:
+    """`value * group_size` (a constant, its broadcast, a multiply) added to `comp` before `before`
+    (at the end where None); `root`: the product becomes `comp`'s root."""
+    scalar = Shape.array(shape.dtype, ())
+    count = comp.add_instruction("constant", (), scalar, name=f"{name}.count", before=before,
+                                 literal=Literal.parse(scalar, _in_dtype(group_size, shape.dtype)))
+    counts = comp.add_instruction("broadcast", [count], shape, name=f"{name}.count.broadcast",
+                                  attrs={"dimensions": ()}, before=before) if shape.rank else count
+    product = comp.add_instruction("multiply", [value, counts], shape, name=name, attrs=attrs, before=before)
+    if root:
+        comp.set_root(product)
+    return product
 
 
 def _with_layout_of(value: HloInstruction, shape: Shape, before: HloInstruction) -> HloInstruction:
