@@ -557,8 +557,11 @@ class Sharding:
     `{devices=[2,1,2]<=[4] last_tile_dim_replicate}`, `{devices=[2,2]0,2,1,3}`, or a tuple `{{...}, {...}}`.
 
     `tile_dims` is the tile-assignment shape; `devices` lists device ids in its row-major order.
+    A sharding over named mesh axes (`{mesh['x'=2,'y'=4], [{'x'}, {}]}`, XLA's "HloShardingV3") keeps
+    its text in `mesh`, printed as it was, and is read as the tile assignment it means (as XLA's
+    V3-to-V2 conversion gives it), so that analyses read every sharding the same way.
     """
-    kind: str                                   # replicated | maximal | manual | tiled | unknown | tuple
+    kind: str                                   # replicated | maximal | manual | unreduced | tiled | unknown | tuple
     tile_dims: tuple[int, ...] = ()
     devices: tuple[int, ...] = ()
     iota: IotaTileAssignment | None = None
@@ -567,6 +570,7 @@ class Sharding:
     elements: tuple["Sharding", ...] = ()
     device: int | None = None                   # for maximal
     extra: str = ""                             # metadata={...} and other fields kept verbatim
+    mesh: str | None = None                     # the text of a sharding over named mesh axes
 
     @staticmethod
     def replicated() -> "Sharding":
@@ -604,13 +608,17 @@ class Sharding:
         if body.startswith("{") or body == "":
             elements = [Sharding.parse(p.strip()) for p in split_top_level(body)] if body else []
             return Sharding("tuple", elements=tuple(elements))
+        if body.startswith(("mesh", "single_device", "maximal_mesh")):
+            return _parse_mesh_sharding(text)
         return _parse_single_sharding(body, text)
 
     def __str__(self):
+        if self.mesh is not None:
+            return self.mesh
         if self.kind == "tuple":
             return "{" + ", ".join(str(e) for e in self.elements) + "}"
         parts = []
-        if self.kind in ("replicated", "manual", "unknown"):
+        if self.kind in ("replicated", "manual", "unreduced", "unknown"):
             parts.append(self.kind)
         elif self.kind == "maximal":
             parts.append(f"maximal device={self.device}")
@@ -641,7 +649,7 @@ def _parse_single_sharding(body: str, text: str) -> Sharding:
             break
         tok = m.group(1)
         pos = m.end()
-        if tok in ("replicated", "manual", "unknown"):
+        if tok in ("replicated", "manual", "unreduced", "unknown"):
             kind = tok
         elif tok == "maximal":
             kind = "maximal"
@@ -676,6 +684,172 @@ def _parse_single_sharding(body: str, text: str) -> Sharding:
     if kind == "maximal" and device is None:
         raise AttrError("maximal sharding needs device=N")
     return Sharding(kind, tile_dims, devices, iota, ltdr, ltd, (), device, " ".join(extra))
+
+
+# A sharding over named mesh axes ("HloShardingV3"), e.g. `{mesh['x'=2,'y'=4], [{'x'}, {}], unreduced={'y'}}`:
+# a mesh (axis names and sizes; `device_ids=(...)` lists its devices in row-major order when they are
+# not 0, 1, 2, ...), then `replicated`, `manual`, `unreduced` (the whole array), or per array dimension
+# the axes that split it, major first (`?`: open to more), then the axes the array is replicated,
+# unreduced or manual over; mesh axes named nowhere replicate it. `'x':(p)s` is the size-s part of axis x
+# after its p most major devices. `{single_device[device_id=3]}` (`maximal_mesh[...]` in older XLA)
+# puts the array on one device.
+_AXIS_REF_RE = r"'[^']*'(?:\s*:\s*\(\s*\d+\s*\)\s*\d+)?"
+_AXIS_REFS_RE = rf"(?:{_AXIS_REF_RE}(?:\s*,\s*{_AXIS_REF_RE})*)?"
+_MESH_DIM_RE = rf"\{{\s*(?:{_AXIS_REF_RE}(?:\s*,\s*{_AXIS_REF_RE})*(?:\s*,\s*\?)?|\?)?\s*\}}"
+_MESH_SHARDING = re.compile(
+    r"\{\s*(?:mesh\s*\[(?P<axes>[^\]]*)\](?:\s*,\s*device_ids\s*=\s*\((?P<ids>[^)]*)\))?\s*,\s*"
+    rf"(?:(?P<whole>replicated|manual|unreduced)|\[(?P<dims>\s*(?:{_MESH_DIM_RE}(?:\s*,\s*{_MESH_DIM_RE})*)?\s*)\]"
+    rf"(?P<sets>(?:\s*,\s*(?:replicated|unreduced|manual)\s*=\s*\{{\s*{_AXIS_REFS_RE}\s*\}})*))"
+    r"|(?:single_device|maximal_mesh)\s*\[\s*device_id\s*=\s*(?P<device>-?\d+)\s*\])"
+    r'(?:\s*,\s*metadata\s*=\s*\{(?:[^{}"]|"(?:[^"\\]|\\.)*"|\{(?:[^{}"]|"(?:[^"\\]|\\.)*")*\})*\})?\s*\}')
+_MESH_AXIS_DEF = re.compile(r"\s*'([^']*)'\s*=\s*(\d+)\s*")
+_MESH_AXIS_USE = re.compile(r"'([^']*)'(?:\s*:\s*\(\s*(\d+)\s*\)\s*(\d+))?")
+_MESH_AXIS_SET = re.compile(r"(replicated|unreduced|manual)\s*=\s*\{([^{}]*)\}")
+_SUBGROUP_ORDER = ("manual", "unreduced", "replicated")  # as XLA's V3-to-V2 conversion orders them
+
+
+def _parse_mesh_sharding(text: str) -> Sharding:
+    """A sharding over named mesh axes, as the tile assignment XLA converts it to.
+
+    Rejects what XLA's NamedSharding CHECK-fails on (aborting the process): duplicate axis names,
+    device ids that are no permutation (or the identity), overlapping or mergeable axes, unsorted
+    axis sets.
+    """
+    m = _MESH_SHARDING.fullmatch(text)
+    if not m:
+        raise AttrError(f"malformed mesh sharding '{text}'")
+    if m.group("device") is not None:
+        return Sharding("maximal", device=int(m.group("device")), mesh=text)
+    sizes = _mesh_axes(m.group("axes"), text)
+    ids = _mesh_device_ids(m.group("ids"), sizes, text) if m.group("ids") is not None else None
+    if m.group("whole"):
+        return Sharding(m.group("whole"), mesh=text)
+    names = list(sizes)
+    # Each use of an axis is (axis index, lo, hi): the sub-axis `(lo)hi/lo`, the whole axis (1, size).
+    dims = [[_mesh_axis_use(u, sizes, names, text) for u in _MESH_AXIS_USE.finditer(d)]
+            for d in re.findall(r"\{([^{}]*)\}", m.group("dims"))]
+    sets: dict[str, list] = {}
+    for kind, refs in _MESH_AXIS_SET.findall(m.group("sets")):
+        if kind in sets:
+            raise AttrError(f"mesh sharding '{text}' names {kind} axes twice")
+        sets[kind] = [_mesh_axis_use(u, sizes, names, text) for u in _MESH_AXIS_USE.finditer(refs)]
+        if sets[kind] != sorted(sets[kind], key=lambda u: (u[0], u[1], u[2] // u[1])):
+            raise AttrError(f"mesh sharding '{text}': {kind} axes must be in mesh order")
+    for group in dims + list(sets.values()):
+        for a, b in zip(group, group[1:]):
+            if a[0] == b[0] and a[2] == b[1]:
+                raise AttrError(f"mesh sharding '{text}': adjacent sub-axes of '{names[a[0]]}' make one axis")
+    uses = [u for group in dims + list(sets.values()) for u in group]
+    for i, (axis, lo, hi) in enumerate(uses):
+        for other, lo2, hi2 in uses[i + 1:]:
+            if other != axis:
+                continue
+            whole = (1, sizes[names[axis]]) in ((lo, hi), (lo2, hi2))
+            if whole or lo < hi2 and lo2 < hi or max(lo, lo2) % min(hi, hi2):  # overlap, or a gap XLA refuses
+                raise AttrError(f"mesh sharding '{text}' uses parts of axis '{names[axis]}' that overlap")
+    # Split every axis where a use starts or ends: the parts, major first, are the iota's reshape dims.
+    reshape_dims, parts_of = [], {}
+    for axis, name in enumerate(names):
+        cuts = sorted({1, sizes[name]} | {c for a, lo, hi in uses if a == axis for c in (lo, hi)})
+        first = len(reshape_dims)
+        reshape_dims += [b // a for a, b in zip(cuts, cuts[1:])]
+        for a, lo, hi in uses:
+            if a == axis:
+                parts_of[a, lo, hi] = list(range(first + cuts.index(lo), first + cuts.index(hi)))
+    used = {p for parts in parts_of.values() for p in parts}
+    order = [p for group in dims for use in group for p in parts_of[use]]
+    tile_dims = [_product(reshape_dims[p] for use in group for p in parts_of[use]) for group in dims]
+    subgroups = []
+    for kind in _SUBGROUP_ORDER:
+        parts = [p for use in sets.get(kind, ()) for p in parts_of[use]]
+        if kind == "replicated":
+            parts = sorted(parts + [p for p in range(len(reshape_dims)) if p not in used])
+        if parts:
+            order += parts
+            tile_dims.append(_product(reshape_dims[p] for p in parts))
+            subgroups.append(kind)
+    whole = _whole_mesh_sharding(sets, all(d == 1 for d in tile_dims[:len(dims)]), _product(sizes.values()), subgroups)
+    if whole is not None:
+        return Sharding(whole, mesh=text)
+    iota = IotaTileAssignment(tuple(tile_dims), tuple(reshape_dims),
+                              None if order == sorted(order) else tuple(order))
+    replicate = subgroups == ["replicated"]
+    types = tuple(subgroups) if not replicate else ()
+    if ids is None:
+        return Sharding("tiled", iota.dims, (), iota, replicate, types, mesh=text)
+    devices = [ids[i] for i in iota.devices()]
+    if subgroups and subgroups[-1] == "replicated":  # XLA sorts each replication group
+        size = tile_dims[-1]
+        devices = [d for i in range(0, len(devices), size) for d in sorted(devices[i:i + size])]
+    return Sharding("tiled", iota.dims, tuple(devices), None, replicate, types, mesh=text)
+
+
+def _whole_mesh_sharding(sets: dict, data_whole: bool, devices: int, subgroups: list[str]) -> str | None:
+    """`replicated`, `manual` or `unreduced` where XLA reads a mesh sharding as that whole kind, else
+    None (a tile assignment). `data_whole`: no array dimension is split; `subgroups`: the tile
+    assignment's subgroup kinds, those of size 1 left out. As XLA converts them, size-1 axes
+    included: manual (or unreduced) axes that span every device, with no unreduced (or manual)
+    ones, make that kind; else a lone replicated or manual subgroup does, a lone unreduced one not."""
+    manual, unreduced = sets.get("manual"), sets.get("unreduced")
+    if data_whole and not manual and not unreduced:
+        return "replicated"
+    for kind, uses, other in (("manual", manual, unreduced), ("unreduced", unreduced, manual)):
+        if uses and not other and _product(hi // lo for _, lo, hi in uses) == devices:
+            return kind
+    if data_whole and subgroups in (["replicated"], ["manual"]):
+        return subgroups[0]
+    return None
+
+
+def _product(values) -> int:
+    n = 1
+    for v in values:
+        n *= v
+    return n
+
+
+def _mesh_axes(text: str, sharding: str) -> dict[str, int]:
+    """`'x'=2,'y'=4` as {name: size}, in mesh order."""
+    sizes: dict[str, int] = {}
+    for piece in (text.split(",") if text.strip() else []):
+        m = _MESH_AXIS_DEF.fullmatch(piece)
+        if not m:
+            raise AttrError(f"mesh sharding '{sharding}': expects mesh axes like 'x'=2, saw '{piece.strip()}'")
+        name, size = m.group(1), int(m.group(2))
+        if name in sizes:
+            raise AttrError(f"mesh sharding '{sharding}' has two axes named '{name}'")
+        if size < 1:
+            raise AttrError(f"mesh sharding '{sharding}': axis '{name}' has no devices")
+        sizes[name] = size
+    if _product(sizes.values()) > 1 << 24:
+        raise AttrError(f"mesh sharding '{sharding}' names too many devices")
+    return sizes
+
+
+def _mesh_device_ids(text: str, sizes: dict[str, int], sharding: str) -> tuple[int, ...]:
+    """`device_ids=(...)`: a permutation of the mesh's devices other than the identity."""
+    ids = _ints(text)
+    count = _product(sizes.values())
+    if len(ids) != count:
+        raise AttrError(f"mesh sharding '{sharding}' needs {count} device ids, has {len(ids)}")
+    if sorted(ids) != list(range(count)) or list(ids) == list(range(count)):
+        raise AttrError(f"mesh sharding '{sharding}': device_ids must reorder the devices 0..{count - 1}")
+    return ids
+
+
+def _mesh_axis_use(m: re.Match, sizes: dict[str, int], names: list[str], sharding: str) -> tuple[int, int, int]:
+    """`'x'` or `'x':(pre)size` as (axis index, lo, hi): the part of the axis between its `lo` and
+    `hi` most major devices (1 and the axis size for the whole axis)."""
+    name = m.group(1)
+    if name not in sizes:
+        raise AttrError(f"mesh sharding '{sharding}': no mesh axis '{name}'")
+    size = sizes[name]
+    if m.group(2) is None:
+        return names.index(name), 1, size
+    pre, part = int(m.group(2)), int(m.group(3))
+    if pre < 1 or part < 2 or part >= size or size % (pre * part):
+        raise AttrError(f"mesh sharding '{sharding}': '{name}':({pre}){part} is no part of an axis of size {size}")
+    return names.index(name), pre, pre * part
 
 
 # -- key=value bags: metadata and frontend attributes --------------------------------------------------

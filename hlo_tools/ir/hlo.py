@@ -88,6 +88,7 @@ class HloInstruction:
     _span = None              # (start, end) of the source text while unmodified
     _name_start = None        # where the name starts inside the span (after `ROOT`)
     _owner = None             # the instruction whose source text holds this nested one
+    _compact = False          # a get-tuple-element its users write `%tuple#index` (XLA's dumps)
     _shape_set = False        # set_shape was called: users may no longer fit (the verifier checks them)
     _edited_operands_only = False  # every edit since parsing set operands (see hlo_tools.xla.proto_patch)
 
@@ -156,6 +157,9 @@ class HloInstruction:
         if owner is not None:
             self._owner = None
             owner._touch()
+        if self._compact:  # its users' text spells it
+            for user in self.users:
+                user._touch(operands_only=True)
         if self.parent is not None:
             self.parent._dirty = True
 
@@ -756,6 +760,8 @@ class HloModule:
                     value = tuple(mapping[p] for p in value)
                 attrs[key] = value
             dict.update(new.attrs, attrs)
+            if instr._compact:
+                new._compact = True
             for op in new._operands:
                 if new not in op.users:
                     op.users.append(new)

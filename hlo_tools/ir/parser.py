@@ -1,10 +1,11 @@
 """HLO text -> HloModule.
 
 Accepts every form XLA prints (JAX's short form, TF's long form with operand shapes, dumps before and
-after optimization, scheduled modules, async shorthand, stack-frame tables) and XLA's hand-written
-extensions (nested anonymous instructions, omitted shapes, comments anywhere). Every error is an
-HloParseError with a 1-based line and column; nesting depth is bounded so no input can exhaust the
-stack, and no value is materialised at parse time, so no input can allocate without bound.
+after optimization, compact get-tuple-elements `%t#0`, scheduled modules, async shorthand, stack-frame
+tables) and XLA's hand-written extensions (nested anonymous instructions, omitted shapes, comments
+anywhere). Every error is an HloParseError with a 1-based line and column; nesting depth is bounded so
+no input can exhaust the stack, and no value is materialised at parse time, so no input can allocate
+without bound.
 
 Each instruction, computation and the header remember their source span, which is how the printer
 reproduces unmodified text byte for byte.
@@ -170,6 +171,7 @@ class _Parser:
         self._line_mark = (0, 1)
         self.computation_names: set[str] = set()
         self.computations_by_name: dict[str, HloComputation] = {}
+        self.compact_gtes: dict[tuple[HloInstruction, int], HloInstruction] = {}  # (tuple, index) -> its `%t#i`
         self.saw = {"sigil": False, "operand_shape": False, "operands": False, "signature": False}
 
     # -- low-level scanning --------------------------------------------------------------------------
@@ -489,6 +491,7 @@ class _Parser:
             module.entry.is_entry = True
             module.entry_implicit = True
         self._resolve_computation_refs(module)
+        self._name_compact()
         saw = self.saw
         module.sigils = saw["sigil"]
         module.operand_shapes = saw["operand_shape"] if saw["operands"] else saw["sigil"]
@@ -750,6 +753,8 @@ class _Parser:
                     saw["operands"] = True
                     saw["operand_shape"] = bool(find_operands(ops_text)[0][0])
                 if "[" in ops_text or "/" in ops_text:  # operand shapes or `/*index=N*/` comments
+                    if "#" in ops_text:
+                        break  # `%t#0`, which the operand regex would read as `%t`
                     for op_shape, op_name in find_operands(ops_text):
                         op = symbol(op_name)
                         if op is None or (op_shape and shape_of(op_shape) is not op.shape):
@@ -1112,9 +1117,44 @@ class _Parser:
         found = symbols.get(ident)
         if found is None:
             raise self.error(f"instruction '{ident}' is not defined", m.start())
+        while True:  # `%t#1#0`: element 0 of element 1 of the tuple %t
+            hash_pos = _WS.match(text, self.pos).end()
+            if text[hash_pos:hash_pos + 1] != "#":
+                break
+            self.pos = hash_pos + 1
+            found = self._tuple_element(comp, found, self.integer(), hash_pos)
         if shape is not None and not shape.compatible(found.shape):
             raise self.error(f"operand {ident} has shape {found.shape}, not {shape}", start)
         return found
+
+    def _tuple_element(self, comp: HloComputation, tup: HloInstruction, index: int, pos: int) -> HloInstruction:
+        """The get-tuple-element that XLA's compact form `%tuple#index` (its dumps') stands for.
+
+        As XLA's parser does, every `%t#i` of a computation is one instruction, placed before
+        its first user. It is named `t_i` once the names the text defines are known (`_name_compact`).
+        """
+        if not tup.shape.is_tuple:
+            raise self.error(f"GTE operand must be tuple, but has shape: {tup.shape}", pos)
+        if not 0 <= index < len(tup.shape.tuple_shapes):
+            raise self.error(f"GTE index {index} out of bounds for shape: {tup.shape}", pos)
+        gte = self.compact_gtes.get((tup, index))
+        if gte is None:
+            gte = HloInstruction(f"{tup.name}_{index}", "get-tuple-element", tup.shape.tuple_shapes[index], [tup],
+                                 {"index": index})
+            gte._compact = True
+            gte.line = self.line_of(pos)
+            gte.parent = comp
+            tup.users.append(gte)
+            comp.instructions.append(gte)
+            self.compact_gtes[tup, index] = gte
+        return gte
+
+    def _name_compact(self):
+        """Name the get-tuple-elements of `%t#i` operands `t_i` (XLA's names), made unique against
+        every name the module's text defines; a nested one after its tuple's final name."""
+        module = self.module_
+        for (tup, index), gte in self.compact_gtes.items():
+            gte.name = module.unique_name(f"{tup.name}_{index}")
 
     def _literal_attr(self, depth: int = 0):
         """`literal=s32[2]{0} {1, 2}` (a shape, then a literal) or a tuple of such `( ..., ... )`."""
@@ -1232,12 +1272,13 @@ class _Parser:
 
 
 def _mark_nested(comp: HloComputation):
-    """Nested anonymous instructions print inside the instruction that owns their text."""
+    """Nested anonymous instructions print inside the instruction that owns their text (the
+    get-tuple-elements of `%t#i` operands inside each of their users')."""
     owner = None
     for instr in reversed(comp.instructions):
         if instr._span is not None:
             owner = instr
-        elif owner is not None:
+        elif owner is not None and not instr._compact:
             instr._owner = owner
 
 
@@ -1273,6 +1314,7 @@ def _parse_unparsed_body(text: str, computations_by_name: dict, positions: tuple
         parser._finish_body(comp, symbols, pending_preds, signature, name_pos, close)
         parser._resolve_computation_refs_of(computations_by_name)
         _mark_nested(comp)
+        parser._name_compact()
     except BaseException as e:
         del comp.instructions, comp.root, comp._gaps  # stays unparsed: reading it again raises again
         if isinstance(e, HloParseError) or not isinstance(e, _INTERNAL_ERRORS):

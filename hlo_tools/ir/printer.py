@@ -56,6 +56,8 @@ def print_computation(comp: HloComputation, style: _Style) -> str:
     else:
         out.append(_computation_head(comp, style))
     for instr in comp.instructions:
+        if instr._compact and prints_compact(instr):
+            continue  # its users print it
         owner = instr._owner
         if not style.regenerate and owner is not None and owner._span is not None:
             continue  # printed inside its owner's source text
@@ -155,7 +157,8 @@ def print_instruction(instr: HloInstruction, *, sigils: bool = True, operand_sha
         ops = []
         for i, op in enumerate(instr._operands):
             note = f"/*index={i}*/" if operand_shapes and i and i % 5 == 0 else ""
-            ops.append(f"{note}{op.shape} {pfx}{op.name}" if operand_shapes else f"{pfx}{op.name}")
+            ref = operand_reference(op)
+            ops.append(f"{note}{op.shape} {pfx}{ref}" if operand_shapes else f"{pfx}{ref}")
         parts.append(", ".join(ops))
     parts.append(")")
     for key, value in instr.attrs.items():
@@ -166,6 +169,20 @@ def print_instruction(instr: HloInstruction, *, sigils: bool = True, operand_sha
         else:
             parts.append(f", {key}={format_value(key, value)}")
     return "".join(parts)
+
+
+def prints_compact(instr: HloInstruction) -> bool:
+    """Whether a get-tuple-element parsed from XLA's compact `%tuple#index` still prints that way,
+    in its users, rather than on a line of its own: it must still be one that nothing else names."""
+    return (instr._compact and instr.opcode == "get-tuple-element" and list(instr.attrs) == ["index"]
+            and bool(instr.users) and not instr.is_root and not instr.control_successors)
+
+
+def operand_reference(op: HloInstruction) -> str:
+    """How a user names its operand `op` (without `%`): its name, or `tuple#index` for a compact one."""
+    if op._compact and prints_compact(op):
+        return f"{operand_reference(op._operands[0])}#{op.attrs['index']}"
+    return op.name
 
 
 def shape_text(shape: Shape) -> str:

@@ -24,7 +24,8 @@ Modes, chosen from the device counts (arguments, else the module header's
 
   ``partition_mode="auto"`` picks ``spmd`` for modules whose instructions carry
   Shardy attributes (``xla.sdy.sharding``, ``xla.sdy.*`` custom calls: what JAX
-  emits by default) or GSPMD's ``Sharding``/``SPMDFullToShardShape``/
+  emits by default; shardings over named mesh axes, ``sharding={mesh[...], ...}``,
+  in jaxlib 0.12's dumps) or GSPMD's ``Sharding``/``SPMDFullToShardShape``/
   ``SPMDShardToFullShape`` custom calls, and ``per_device`` otherwise (the
   header is not looked at).  A GSPMD-style module with nothing but ``sharding=``
   attributes needs ``partition_mode="spmd"``.
@@ -88,7 +89,10 @@ PARTITION_MODES = ("auto", "spmd", "per_device")
 INPUT_FORMATS = ("hlo", "pb")
 # Instruction-level signs of a module that still has to be partitioned (the module header
 # is not looked at: per-device modules keep JAX's header attributes and Shardy meshes).
-_SHARDY_MARKERS = re.compile(r'custom_call_target="xla\.sdy\.|xla\.sdy\.sharding')
+# Shardings over named mesh axes (`sharding={mesh['x'=8], [{'x'}]}`) are Shardy's: jaxlib 0.12's XLA
+# writes them, instead of `xla.sdy.sharding` attributes, on modules it has not partitioned yet.
+_SHARDY_MARKERS = re.compile(
+    r'custom_call_target="xla\.sdy\.|xla\.sdy\.sharding|\bsharding=\{+\s*(?:mesh|single_device|maximal_mesh)\[')
 _GSPMD_MARKERS = re.compile(
     r'custom_call_target="(?:Sharding|SPMDFullToShardShape|SPMDShardToFullShape)"')
 

@@ -658,6 +658,17 @@ def lowered_module_text(lowered) -> str:
     return proto_to_text(lowered.compiler_ir("hlo").as_serialized_hlo_module_proto())
 
 
+def compiled_module_text(compiled) -> str:
+    """The module XLA optimized for a `jax.stages.Compiled` program (every constant printed), its
+    entry parameters with the shardings XLA's partitioner gave them (`hook_module_text`).
+
+    jaxlib 0.10.2's `compiled.as_text()` has them; from 0.11 on it has none, and a per-device
+    module without them reads as taking every parameter whole on each device.
+    """
+    module = compiled.runtime_executable().hlo_modules()[0]
+    return hook_module_text(module.as_serialized_hlo_module_proto())
+
+
 def with_lowered_module(lowered, text: str, *, resharded_parameters=(), resharded_outputs=()):
     """A copy of `lowered` that compiles the HLO module `text` instead of its own.
 
