@@ -1,22 +1,26 @@
 """spatial-partitioning on keras.applications ResNet50 and EfficientNetB0 (TF backend) through the front end.
 
-Each model (weights=None, 64x64 images, batch 2, 10 classes) runs its forward pass and one
-training step's gradients (the loss and every trainable variable's, BatchNorm in training
-mode: batch statistics over the split rows), dropout rates set to 0, through `xla_passes.tensorflow.function(step,
-passes="spatial-partitioning{num_partitions=4,split=0:1}")` on 4 CPU devices, against TF's own
-`tf.function(jit_compile=True)`:
+Each model (weights=None, 64x64 images, batch 2, 10 classes, in float64) runs its forward pass
+and one training step's gradients (the loss and every trainable variable's, BatchNorm in training
+mode: batch statistics over the split rows), dropout rates set to 0, through
+`xla_passes.tensorflow.function(step, passes="spatial-partitioning{num_partitions=4,split=0:1}")`
+on 4 CPU devices, against TF's own `tf.function(jit_compile=True)`:
 
-- the logits (forward, BatchNorm in inference mode) equal TF's to 1e-5 of their scale;
-- the loss and every gradient equal TF's within NOISE_FACTOR times the float noise of the
-  same output, measured as how far TF's XLA step is from TF's eager step (the benchmark also
-  counts the front end without passes, TF's module compiled by jaxlib's XLA, which is as
-  far). A relative tolerance does not fit a training step at batch 2: ResNet50's last stage
-  is 2x2 at 64x64, so its BatchNorm statistics span 8 values and TF's own XLA and eager
-  steps differ by up to 2% of a BatchNorm gamma's gradient, and the gradients of a bias or
-  beta that a training-mode BatchNorm follows are zero up to rounding (TF's two steps
-  disagree on them by more than their own size). Measured on 2026-11-25: the largest
-  difference to TF is 2.6x (ResNet50) and 1.5x (EfficientNetB0) that noise;
+- the logits (forward, BatchNorm in inference mode), the loss and every gradient equal TF's within
+  RTOL of the output's largest magnitude plus FLOOR of the step's largest output;
 - every convolution with rows to split (its image operand taller than one row) is split.
+
+Why float64: in float32 no fixed tolerance fits a training step at batch 2. ResNet50's last
+stage is 2x2 at 64x64, so its BatchNorm statistics span 8 values and TF's own XLA and eager
+steps differ by up to 2% of a BatchNorm gamma's gradient, and the gradients of a bias or beta
+that a training-mode BatchNorm follows are 0 in exact arithmetic, so rounding noise. A bound
+taken from that noise (how far TF's XLA step is from its eager step) moves with the CPU: on
+ResNet50 ours was 9.2 times it on an AMD EPYC with AVX2 and no AVX-512, 2.6 times on one with
+AVX-512 and 9.0 times there with XLA's code limited to AVX. In float64 the same steps differ from
+TF's by at most 9.5e-13 of an output's scale (ResNet50's conv1 kernel), the outputs that are 0 in
+exact arithmetic by at most 3.4e-16 of the step's largest output (EfficientNetB0's project
+BatchNorm betas); with XLA's code limited to AVX2 or AVX they stay as far inside the bounds,
+while a wrong halo or split moves an output by far more than RTOL.
 
 Keras 3 picks its backend when it is imported, so the models run in a child process with
 KERAS_BACKEND=tensorflow (this file, run as a script), which writes its results as JSON.
@@ -39,10 +43,10 @@ from support import run_keras_tf_child
 PASSES = "spatial-partitioning{num_partitions=4,split=0:1}"
 MODELS = ("ResNet50", "EfficientNetB0")
 IMAGE_SIZE = 64
-# ours - TF must stay within NOISE_FACTOR times the measured noise of the same output, or within
-# RTOL of its own scale.
-NOISE_FACTOR = 4.0
-RTOL = 1e-5
+# |ours - TF| of an output must stay within RTOL of its own largest magnitude plus FLOOR of the
+# largest magnitude of any output of the step (for the outputs that are 0 in exact arithmetic).
+RTOL = 1e-9
+FLOOR = 1e-12
 
 
 def _run_child(models: list[str], target) -> dict:
@@ -58,11 +62,9 @@ def test_forward_and_training_gradients_match_tf_and_every_convolution_with_rows
     for what, run in results.items():
         print(f"{model} {what}: {run}")
         assert run["split"] == run["splittable"] > 0, (what, run)
-        assert run["outside_noise"] == [], (what, run)
+        assert run["outside_tolerance"] == [], (what, run)
         assert run["collectives"]["collective-permute"] > 0, (what, run)   # halos exchanged
         assert run["collectives"]["all-gather"] == 0, (what, run)
-    # inference is well conditioned: the logits as TF's to the rounding of a reordered sum
-    assert results["forward"]["max_relative_diff"] < 1e-5, results["forward"]
 
 
 # --- the child process ----------------------------------------------------------------------------------
@@ -108,11 +110,14 @@ def _median_ms(calls: dict, rounds: int, steps: int) -> dict[str, float]:
     return {key: 1e3 * statistics.median(values) for key, values in seconds.items()}
 
 
-def measure(name: str, what: str, *, image_size: int = IMAGE_SIZE, rounds: int = 0, steps: int = 0) -> dict:
+def measure(name: str, what: str, *, image_size: int = IMAGE_SIZE, rounds: int = 0, steps: int = 0,
+            float64: bool = False) -> dict:
     """`keras.applications.<name>`'s forward or training gradients through the front end with PASSES vs TF.
 
-    With `rounds`, the median ms per call of TF's step, the front end without passes and with
-    PASSES, in interleaved rounds (`_median_ms`).
+    With `float64`, the model's weights, its input and every computation are float64 (Keras's
+    floatx). `outside_tolerance` lists the outputs beyond the test's RTOL and FLOOR. With `rounds`,
+    the median ms per call of TF's step, the front end without passes and with PASSES, in
+    interleaved rounds (`_median_ms`).
     """
     import keras  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
@@ -121,6 +126,7 @@ def measure(name: str, what: str, *, image_size: int = IMAGE_SIZE, rounds: int =
     import xla_passes.tensorflow  # noqa: PLC0415
 
     assert keras.backend.backend() == "tensorflow"
+    keras.config.set_floatx("float64" if float64 else "float32")
     keras.utils.set_random_seed(0)
     model = getattr(keras.applications, name)(weights=None, input_shape=(image_size, image_size, 3), classes=10,
                                               classifier_activation=None)
@@ -128,7 +134,7 @@ def measure(name: str, what: str, *, image_size: int = IMAGE_SIZE, rounds: int =
         if isinstance(layer, keras.layers.Dropout):   # the same step in every run
             layer.rate = 0.0
     rng = np.random.default_rng(1)
-    x = rng.standard_normal((2, image_size, image_size, 3)).astype(np.float32)
+    x = rng.standard_normal((2, image_size, image_size, 3)).astype(keras.config.floatx())
     labels = np.array([1, 7], np.int32)
     if what == "gradient":
         def fn(x, labels):
@@ -165,7 +171,7 @@ def measure(name: str, what: str, *, image_size: int = IMAGE_SIZE, rounds: int =
         unpassed = [t.numpy() for t in plain(*args)]
         noise = [max(n) for n in zip(noise, diff(unpassed, want), diff(unpassed, eager))]
     outside = [f"{n}: |ours - TF| {d:.3g}, noise {e:.3g}, scale {s:.3g}"
-               for n, d, e, s in zip(names, diffs, noise, scales) if d > max(NOISE_FACTOR * e, RTOL * s)]
+               for n, d, e, s in zip(names, diffs, noise, scales) if d > RTOL * s + FLOOR * max(scales)]
     split = splittable = total = 0
     for key, after in convolutions_after.items():
         for (dims, out, rows), (dims0, out0, rows0) in zip(sorted(after), sorted(convolutions_before[key])):
@@ -177,7 +183,7 @@ def measure(name: str, what: str, *, image_size: int = IMAGE_SIZE, rounds: int =
               "max_relative_diff": max(d / max(s, 1e-30) for d, s in zip(diffs, scales)),
               "noise_relative_diff": max(e / max(s, 1e-30) for e, s in zip(noise, scales)),
               "max_over_noise": max(d / max(e, 1e-30) for d, e in zip(diffs, noise)),
-              "outside_noise": outside}
+              "outside_tolerance": outside}
     if rounds:
         result.update({f"{key}_ms": ms for key, ms in _median_ms(
             {"tf": lambda: reference(*args), "plain": lambda: plain(*args), "ours": lambda: ours(*args)},
@@ -191,7 +197,7 @@ def main(target: str, models: list[str]) -> None:
         results[name] = {}
         for what in ("forward", "gradient"):
             start = time.perf_counter()
-            results[name][what] = measure(name, what)
+            results[name][what] = measure(name, what, float64=True)
             results[name][what]["seconds"] = time.perf_counter() - start
             print(f"{name} {what}: {results[name][what]}", file=sys.stderr, flush=True)
     with open(target, "w", encoding="utf-8") as f:

@@ -44,8 +44,9 @@ MODEL = ((0, 1, 2, 3), (4, 5, 6, 7))
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter")
 
 
-def run_worker(tmp_path, program, optimizer, name, passes=None):
-    """Runs the worker; returns (the saved arrays, the pass report lines in order, the dump folder)."""
+def run_worker(tmp_path, program, optimizer, name, passes=None, float64=False):
+    """Runs the worker (in float64 with `float64`); returns (the saved arrays, the pass report lines
+    in order, the dump folder)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("XLA_PASSES")}
     env = {**base, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
            "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, base.get("PYTHONPATH")]))}
@@ -53,18 +54,30 @@ def run_worker(tmp_path, program, optimizer, name, passes=None):
     if passes:
         env.update({"XLA_PASSES": passes, "XLA_PASSES_STRICT": "1", "XLA_PASSES_DUMP_TO": str(dump)})
     out = tmp_path / f"{name}.npz"
-    result = subprocess.run([sys.executable, WORKER, program, optimizer, str(out)], env=env,
-                            capture_output=True, text=True, timeout=600)
+    argv = [sys.executable, WORKER, program, optimizer, str(out)] + (["--float64"] if float64 else [])
+    result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"worker failed ({result.returncode}):\n{result.stderr[-4000:]}"
     lines = dict.fromkeys(line[len("REPORT "):] for line in result.stderr.splitlines()
                           if line.startswith("REPORT weight-update-sharding: "))
     return np.load(out), list(lines), dump
 
 
+# The attention key bias: its exact gradient is 0 (softmax is the same when every score of a query
+# grows by that query's dot product with the bias) and adamw's decay keeps its zero start at 0, so
+# in exact arithmetic it never moves; what a run shows there is rounding noise that adam scales to
+# up to the learning rate per step, differently in every summation order (plain XLA moves it by
+# 1.6e-4 in 3 steps on jax 0.12). It is held to that bound instead of to the plain run's noise.
+NOISE_ONLY = re.compile(r"^param\[.*\['key'\]\['bias'\]$")
+NOISE_BOUND = 3 * 1e-3  # steps x adamw's learning rate
+
+
 def assert_equal(got, expected, rtol=1e-5, atol=1e-6):
     assert sorted(got.files) == sorted(expected.files)
     assert len(expected["losses"]) == 3
     for name in expected.files:
+        if NOISE_ONLY.match(name):
+            assert np.max(np.abs(got[name])) <= NOISE_BOUND and np.max(np.abs(expected[name])) <= NOISE_BOUND, name
+            continue
         np.testing.assert_allclose(got[name], expected[name], rtol=rtol, atol=atol, err_msg=name)
 
 
@@ -202,6 +215,17 @@ def test_xla_passes_jax_jit_has_nothing_to_rewrite():
 
 # -- the model zoo's data-parallel steps (flax's imagenet ResNet and lm1b Transformer) -----------
 
+# What the pass did is read from its report on the float32 step (the sizes it weighs against
+# threshold_bytes are float32's); the numbers are compared on the same steps run in float64. In
+# float32, clipping's global norm, summed per shard and then across devices, can move the clipping
+# scale by an ulp, and adam turns gradients that are 0 in exact arithmetic, so float noise (the
+# attention key biases: softmax ignores a constant added to every key; the stem's batch-norm bias
+# of a channel the ReLU never cuts: the next batch norms remove a shift), into steps of +-lr: those
+# arrays move by ~1e-4 whichever way the noise goes, by how much depends on the CPU (plain runs of
+# the same ResNet step compiled for AVX-512 and for AVX differ by 8.5e-4). In float64 that noise
+# is far below adam's eps: the largest difference to plain measured is 8.8e-13, so every array is
+# held to ZOO_TOLERANCE, a millionth of one step's learning rate.
+ZOO_TOLERANCE = 1e-9
 # The weights (parameters) of each test-size model, and how many of them the pass shards with the
 # default threshold_bytes=1024 and with threshold_bytes=0. ResNet: the 9 conv kernels but one
 # (`BottleneckBlock_0/Conv_0`, 1x1x8x8, 256 bytes) and the Dense kernel, then with no threshold every
@@ -226,11 +250,11 @@ def weights_named(lines):
 def zoo_runs(tmp_path_factory):
     cache = {}
 
-    def run(program, optimizer, name, passes=None):
-        if (program, optimizer, passes) not in cache:
-            cache[program, optimizer, passes] = run_worker(tmp_path_factory.mktemp(name), program, optimizer,
-                                                           name, passes)
-        return cache[program, optimizer, passes]
+    def run(program, optimizer, name, passes=None, float64=False):
+        key = program, optimizer, passes, float64
+        if key not in cache:
+            cache[key] = run_worker(tmp_path_factory.mktemp(name), program, optimizer, name, passes, float64)
+        return cache[key]
 
     return run
 
@@ -239,8 +263,7 @@ def zoo_runs(tmp_path_factory):
 @pytest.mark.parametrize("optimizer", ["adamw", "clip_adamw"])
 @pytest.mark.parametrize("program", sorted(ZOO))
 def test_model_zoo_data_parallel_steps(program, optimizer, passes, zoo_runs):
-    plain = zoo_runs(program, optimizer, "plain")[0]
-    got, report, _ = zoo_runs(program, optimizer, "wus", passes)
+    report = zoo_runs(program, optimizer, "wus", passes)[1]
     weights, sharded = ZOO[program][0], ZOO[program][1][passes]
     gradients = [line for line in report if "opt_state" in line]
     assert (len(report), len(gradients)) == ENTRIES[program], "\n".join(report)
@@ -253,21 +276,9 @@ def test_model_zoo_data_parallel_steps(program, optimizer, passes, zoo_runs):
     else:  # every gradient is sharded; only batch norm's statistics, which update no weight, stay
         assert not any("opt_state" in line for line in kept), "\n".join(kept)
         assert all("non-elementwise use" in line or "no update" in line for line in kept), "\n".join(kept)
-    if optimizer == "adamw":
-        assert_equal(got, plain)
-        return
-    # With clipping the global norm is summed per shard and then across devices: another order,
-    # so the clipping scale can differ in its last bits. Adam turns gradients that are float noise
-    # (the attention key bias's, which is 0 in exact arithmetic; a dead channel of the stem's batch
-    # norm) into steps of +-lr, so those few arrays move by ~1e-4 whichever way the noise goes:
-    # the same run with the clipping norm 2 ulps off (no pass) moves them as far.
-    nudged = zoo_runs(program, "clip_adamw_nudged", "nudged")[0]
-    noisy = []
+    plain = zoo_runs(program, optimizer, "plain64", float64=True)[0]
+    got = zoo_runs(program, optimizer, "wus64", passes, float64=True)[0]
+    assert sorted(got.files) == sorted(plain.files)
+    assert not any(plain[name].dtype == np.float32 for name in plain.files)  # the worker ran in float64
     for name in plain.files:
-        if np.allclose(nudged[name], plain[name], rtol=1e-5, atol=1e-6):
-            np.testing.assert_allclose(got[name], plain[name], rtol=1e-5, atol=1e-6, err_msg=name)
-        else:
-            noisy.append(name)
-            bound = 2 * float(np.abs(nudged[name] - plain[name]).max())
-            assert float(np.abs(got[name] - plain[name]).max()) <= bound, name
-    assert len(noisy) <= 8, noisy
+        np.testing.assert_allclose(got[name], plain[name], rtol=ZOO_TOLERANCE, atol=ZOO_TOLERANCE, err_msg=name)
