@@ -106,10 +106,12 @@ def test_weight_update_sharding_cuts_update_work_and_memory_and_the_jit_runs_kee
     for run in runs.values():
         assert run["peak_bytes"] == (run["argument_bytes"] + run["output_bytes"] - run["aliased_bytes"]
                                      + run["temp_bytes"])
-    for name in demo.HOOK_RUNS:
-        if results["hook_keeps_donation"]:
-            assert runs[name]["peak_bytes"] <= plain["peak_bytes"]
-        else:  # without donation a step holds its old state and its new one: more than the plain step at its peak
+    if results["hook_keeps_donation"]:
+        # collective-fusion's one combined all-reduce holds every local gradient and every sum at
+        # once: its peak is above plain's (docs/benchmarks.md); sharding the update cuts it
+        assert runs[HOOK_WUS]["peak_bytes"] <= plain["peak_bytes"]
+    else:  # without donation a step holds its old state and its new one: more than the plain step at its peak
+        for name in demo.HOOK_RUNS:
             assert runs[name]["peak_bytes"] > plain["peak_bytes"]
     assert runs[JIT_WUS]["peak_bytes"] < plain["peak_bytes"] / 2
 
