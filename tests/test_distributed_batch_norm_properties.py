@@ -1,8 +1,10 @@
 """distributed-batch-norm at the flag, property-based: the step equals JAX's own grouped batch norm.
 
-Hypothesis draws Flax convnets (one to three Conv + BatchNorm layers, optionally a Dense +
-BatchNorm, 1 to 6 channels, 1x1 to 3x3 kernels, strides 1 and 2, 2x2 to 7x7 images, one to three
-examples per device, both variance forms) and runs each one step at JAX's compile hook
+Hypothesis draws Flax convnets (one to three Conv + BatchNorm layers, optionally two more of the
+last one's channels and kernel stacked in an `nn.scan` (a `lax.scan`), its body `nn.remat`ed
+(`jax.checkpoint`) or not, optionally a Dense + BatchNorm, 1 to 6 channels, 1x1 to 3x3 kernels,
+strides 1 and 2, 2x2 to 7x7 images, one to three examples per device, both variance forms) and
+runs each one step at JAX's compile hook
 (`xla_passes.jax.enable("distributed-batch-norm{group_size=k}", strict=True)`) on 8 CPU devices,
 with k of 2 or 4, in three program styles:
 
@@ -25,7 +27,8 @@ the float32 reference's own error there: the grouped sums are added in another o
 and where a statistic has four elements `rsqrt(var + eps)` magnifies that (one such case, found by
 the long profile, is pinned with `@example`). The pass may
 refuse a step (XLA's own then runs): the plugin must log the reason, and the step must then
-equal the plain one. It refuses one example per device in the shard_map style (XLA drops the
+equal the plain one. It may refuse any step with a scan (whose batch norms run in a while body).
+It refuses one example per device in the shard_map style (XLA drops the
 unit batch dimension at the hook, and a statistic over one example's pixels is then a per-example
 pooling), which hypothesis draws too; in the jit and pmap styles batch norm sums the statistics
 over the devices, and those it groups. In the pmap style the images are the arguments a
@@ -54,6 +57,7 @@ from wus_properties import examples
 
 RTOL, ATOL = 1e-4, 1e-5
 CLASSES = 3
+STACKED_LAYERS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,15 +70,34 @@ class Case:
     group_size: int
     style: str                                  # "shard_map", "jit" or "pmap"
     optimizer: str                              # the jit and pmap styles': "sgd" or "adam"
+    stack: str                                  # "none", or the stacked layers': "scan", "checkpointed scan"
 
 
 @st.composite
-def cases(draw) -> Case:
+def cases(draw, stacks=("none",)) -> Case:
     layers = tuple(draw(st.tuples(st.integers(1, 6), st.integers(1, 3), st.sampled_from([1, 2])))
                    for _ in range(draw(st.integers(1, 3))))
     return Case(layers, draw(st.booleans()), draw(st.booleans()), draw(st.integers(2, 7)), draw(st.integers(1, 3)),
                 draw(st.sampled_from([2, 4])), draw(st.sampled_from(["shard_map", "jit", "pmap"])),
-                draw(st.sampled_from(["sgd", "adam"])))
+                draw(st.sampled_from(["sgd", "adam"])), draw(st.sampled_from(stacks)))
+
+
+def _batch_norm(case: Case, axis_name: str | None) -> nn.BatchNorm:
+    return nn.BatchNorm(use_running_average=False, momentum=0.9, axis_name=axis_name,
+                        use_fast_variance=case.fast_variance)
+
+
+class StackedLayer(nn.Module):
+    """A Conv + BatchNorm layer that keeps its input's shape, as `nn.scan` runs it."""
+
+    case: Case
+    axis_name: str | None
+
+    @nn.compact
+    def __call__(self, x, _):
+        kernel = self.case.layers[-1][1]
+        conv = nn.Conv(x.shape[-1], (kernel, kernel), use_bias=False)
+        return nn.relu(_batch_norm(self.case, self.axis_name)(conv(x))), None
 
 
 class Net(nn.Module):
@@ -83,13 +106,18 @@ class Net(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        norm = functools.partial(nn.BatchNorm, use_running_average=False, momentum=0.9, axis_name=self.axis_name,
-                                 use_fast_variance=self.case.fast_variance)
         for features, kernel, stride in self.case.layers:
-            x = nn.relu(norm()(nn.Conv(features, (kernel, kernel), strides=(stride, stride), use_bias=False)(x)))
+            conv = nn.Conv(features, (kernel, kernel), strides=(stride, stride), use_bias=False)
+            x = nn.relu(_batch_norm(self.case, self.axis_name)(conv(x)))
+        if self.case.stack != "none":
+            layer = nn.remat(StackedLayer) if self.case.stack == "checkpointed scan" else StackedLayer
+            stacked = nn.scan(layer, variable_axes={"params": 0, "batch_stats": 0}, split_rngs={"params": True},
+                              length=STACKED_LAYERS)
+            x, _ = stacked(self.case, self.axis_name)(x, None)
         x = x.mean(axis=(1, 2))
         if self.case.dense_norm:   # no bias before a batch norm: its gradient is 0 up to float noise, which adam
-            x = nn.relu(norm()(nn.Dense(4, use_bias=False)(x)))   # would turn into steps of its learning rate
+            # would turn into steps of its learning rate
+            x = nn.relu(_batch_norm(self.case, self.axis_name)(nn.Dense(4, use_bias=False)(x)))
         return nn.Dense(CLASSES)(x)
 
 
@@ -227,8 +255,20 @@ def _in_float64(tree):
 @examples(12)
 @given(case=cases())
 @example(case=Case(layers=((1, 1, 1), (1, 1, 1)), dense_norm=True, fast_variance=True, image=6, batch_per_device=2,
-                   group_size=2, style="shard_map", optimizer="sgd"))
+                   group_size=2, style="shard_map", optimizer="sgd", stack="none"))
 def test_at_the_flag_equals_jax_grouped_batch_norm(case):
+    _check_at_the_flag(case)
+
+
+@examples(3)
+@given(case=cases(stacks=("scan", "checkpointed scan")))
+def test_scanned_layers_at_the_flag_equal_jax_grouped_batch_norm_or_plain(case):
+    """Batch norms in a `lax.scan` body: grouped like the others, or the step refused whole."""
+    event(f"stacked layers: {case.stack}")
+    _check_at_the_flag(case)
+
+
+def _check_at_the_flag(case: Case) -> None:
     params, stats, images, labels = _inputs(case)
     passes = f"distributed-batch-norm{{group_size={case.group_size}}}"
     mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
@@ -259,7 +299,7 @@ def test_at_the_flag_equals_jax_grouped_batch_norm(case):
         # XLA computes a 1x1 convolution as a dot: then no convolution reads a pmap step's images
         no_convolution = case.style == "pmap" and case.layers[0][1] == 1 and "no entry parameter feeding a " \
             "convolution's input" in reasons[0]
-        assert one_example or no_convolution, f"{case}: refused: {reasons[0]}"
+        assert one_example or no_convolution or case.stack != "none", f"{case}: refused: {reasons[0]}"
         event(f"{case.style}: refused: {reasons[0].split(':')[0]}")
         plain = jax.pmap(step, axis_name="batch")(*args) if case.style == "pmap" else jax.jit(step)(*args)
         _assert_close(got, plain, plain, f"{case}: refused, so XLA's own step")

@@ -7,9 +7,12 @@ optimizer state, loss):
 * at the flag: a JAX step compiled with the pass at JAX's hook
   (`xla_passes.jax.enable(..., strict=True)`, so a pass error fails the example) against the
   same step compiled plainly;
+* through `xla_passes.jax.jit(..., strict=True)` against `jax.jit` (`jax.pmap` for the pmap
+  style), with the optimizer state handed back sharded (`persistent=true`) or not;
 * offline: the step lowered to HLO before XLA's optimizations, rewritten with `run_passes`,
-  both run by `hlo_tools.xla.runner.compare_modules` (jit + NamedSharding steps are left out:
-  before XLA's SPMD partitioner runs they have no all-reduce for the pass to rewrite);
+  both run by `hlo_tools.xla.runner.compare_modules` (here and through `xla_passes.jax.jit`,
+  jit + NamedSharding steps are left out: before XLA's SPMD partitioner runs they have no
+  all-reduce for the pass to rewrite);
 * laid out: per-device modules as the hook receives them (one to three weights, gradients
   all-reduced one by one or by one combined all-reduce, updates inline or as kLoop fusions),
   whose gradients, updates and results have layouts that hypothesis chooses, rewritten as the
@@ -19,7 +22,10 @@ optimizer state, loss):
 The JAX steps cover one to three weights of rank 1 to 4 in every split situation (the
 leading dimension divisible by 8, only a later one as in 3x3xCxK conv kernels, none:
 flattened and padded, dimensions of size 1, tiny ones), read by the loss three ways (see
-`wus_properties.USES`), float32 and bfloat16, sgd, momentum, adam, adamw and adam after
+`wus_properties.USES`), float32 and bfloat16, the loss computed in the weights' dtype or in
+another (bfloat16 or float16 from float32 master weights, float32 from bfloat16 weights), with
+or without 2 or 3 stacked layers run in a `lax.scan` (its body `jax.checkpoint`ed or not), a
+`fori_loop` or a `lax.cond` per layer, sgd, momentum, adam, adamw and adam after
 global-norm clipping, with and without donated weights, and shard_map + pmean,
 jit + NamedSharding and pmap + pmean (with assume_replicated_parameters=true: the inputs give
 every device the same weights). Every gradient below the pass's threshold_bytes must stay
@@ -32,12 +38,14 @@ place) of the plain program's.
 
 Run: `pytest tests/test_weight_update_sharding_properties.py` (profile `ci`: the example counts
 below, derandomized, no example database). `HYPOTHESIS_PROFILE=long` tries 10 times as many,
-randomly; `--hypothesis-show-statistics` shows how often each situation and outcome came up.
+randomly; `--hypothesis-show-statistics` shows how often each situation, control flow, dtype
+and outcome came up.
 The examples run in a worker process, so that an XLA crash is a failing example that
 hypothesis shrinks, not the end of the session.
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 
@@ -47,10 +55,10 @@ from hypothesis import event, example, given, strategies as st
 from hlo_tools.xla import runner
 from wus_properties import (GROUP_SIZE, STYLES, THRESHOLD_BYTES, TOLERANCE, LaidOutCase, LaidOutWeight, StepCase,
                             Weight, Worker, examples, laid_out_cases, laid_out_reference, run_at_the_flag, run_laid_out,
-                            run_offline, situation, step_cases)
+                            run_offline, run_through_jit, situation, step_cases)
 
 WORKER = Worker()
-HLO_DTYPE_BYTES = {"f32": 4, "bf16": 2}
+HLO_DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -66,9 +74,11 @@ def _assert_same(actual, expected, dtype: str, what: str) -> None:
     assert comparison.ok, f"{what}:\n{comparison.format()}"
 
 
-def _record_weights(case: StepCase) -> None:
+def _record_case(case: StepCase) -> None:
     for weight in case.weights:
         event(f"weight: {situation(weight.shape, case.dtype)}")
+    event(f"control flow: {case.control}")
+    event(f"loss in {case.compute} from {case.dtype} weights")
 
 
 def _outcome(sharded: bool, dimension, padding: int, reason: str) -> str:
@@ -94,10 +104,9 @@ def _assert_small_gradients_kept(reports: list[tuple[bool, int, str]]) -> None:
             assert not sharded and reason.startswith("tiny: "), (size, reason)
 
 
-def _check_at_the_flag(case: StepCase) -> list[str]:
-    """Assert the properties at the flag; return what the pass did with each weight."""
-    plain, rewritten, lines = WORKER.run(run_at_the_flag, case)
-    _assert_same(rewritten, plain, case.dtype, f"{case} at the flag")
+def _check_report_lines(plain, rewritten, lines: list[str], case: StepCase, way: str) -> list[str]:
+    """Assert the properties of a run with the pass; return what it did with each weight."""
+    _assert_same(rewritten, plain, case.dtype, f"{case} {way}")
     reports, outcomes = [], []
     for line in lines:  # "weight-update-sharding: kept %g f32[5,16] (m, w): tiny: 320 bytes ..."
         action, shape = _REPORT_LINE.match(line).groups()
@@ -108,28 +117,59 @@ def _check_at_the_flag(case: StepCase) -> list[str]:
     return outcomes
 
 
+def _check_at_the_flag(case: StepCase) -> list[str]:
+    return _check_report_lines(*WORKER.run(run_at_the_flag, case), case, "at the flag")
+
+
 @pytest.mark.parametrize("style", STYLES)
 @examples(9)
 @given(data=st.data())
 def test_training_step_at_the_flag(style, data):
     case = data.draw(step_cases(style), label="case")
-    _record_weights(case)
+    _record_case(case)
     for outcome in _check_at_the_flag(case):
         event(f"at the flag: {outcome}")
+
+
+@pytest.mark.parametrize("style", ["shard_map", "pmap"])
+@examples(4)
+@given(data=st.data(), persistent=st.booleans())
+def test_training_step_through_jax_jit(style, data, persistent):
+    case = data.draw(step_cases(style, mixed_precision=False), label="case")  # see KNOWN_INVALID_MODULE
+    _record_case(case)
+    run = WORKER.run(functools.partial(run_through_jit, persistent=persistent), case)
+    for outcome in _check_report_lines(*run, case, "through xla_passes.jax.jit"):
+        event(f"jit: {outcome}")
+
+
+KNOWN_INVALID_MODULE = (
+    "weight-update-sharding builds a module the verifier refuses from a lowered step (before XLA's "
+    "optimizations) whose float32 gradient is converted from a bfloat16 loss: pmap's reduce-scatter of "
+    "it ('shard_count = 1, subgroup_size = 8'), or a padded converted gradient's reshape ('mismatched "
+    "element counts'); the pass fails, and the hook and xla_passes.jax.jit then compile JAX's own "
+    "module. Until it is fixed the lowered paths draw no mixed precision; at the flag they do.")
+
+
+@pytest.mark.xfail(strict=True, reason=KNOWN_INVALID_MODULE)
+def test_mixed_precision_lowered_pmap_step_offline():
+    result = WORKER.run(run_offline, StepCase("pmap", "sgd", "float32", (Weight((256,), "scaled"),), False, 0,
+                                              "bfloat16", "none"))
+    assert result.comparison_ok
 
 
 def test_conv_kernel_at_the_flag():
     """The bug that layouts_final fixed: XLA lays this kernel's gradient out as {3,1,0,2}, and
     the pass scattered it along dimension 2, which XLA did in contiguous chunks of the buffer."""
-    _check_at_the_flag(StepCase("named_sharding", "momentum", "float32", (Weight((3, 3, 16, 16), "scaled"),), False, 0))
+    _check_at_the_flag(StepCase("named_sharding", "momentum", "float32", (Weight((3, 3, 16, 16), "scaled"),), False, 0,
+                                "float32", "none"))
 
 
 @pytest.mark.parametrize("style", ["shard_map", "pmap"])
 @examples(10)
 @given(data=st.data())
 def test_lowered_training_step_offline(style, data):
-    case = data.draw(step_cases(style), label="case")
-    _record_weights(case)
+    case = data.draw(step_cases(style, mixed_precision=False), label="case")  # see KNOWN_INVALID_MODULE
+    _record_case(case)
     result = WORKER.run(run_offline, case)
     assert result.comparison_ok, f"{case} offline:\n{result.comparison}"
     for report in result.reports:

@@ -5,8 +5,11 @@ process runs (so that an XLA crash on a rewritten module fails one example, whic
 hypothesis then shrinks, instead of ending the test session):
 
 * `StepCase`: a JAX data-parallel training step (shard_map + pmean, jit with NamedSharding,
-  or pmap + pmean) with optax, run at the flag (`run_at_the_flag`) or lowered and rewritten
-  offline (`run_offline`).
+  or pmap + pmean) with optax, its loss computed in the weights' dtype or another (bfloat16 or
+  float16 from float32 weights: mixed precision), with or without stacked layers run in a
+  `lax.scan`, a `jax.checkpoint`ed scan, a `fori_loop` or `lax.cond`s; run at the flag
+  (`run_at_the_flag`), through `xla_passes.jax.jit` (`run_through_jit`) or lowered and
+  rewritten offline (`run_offline`).
 * `LaidOutCase`: a per-device module as JAX's pass hook receives it (laid out, optionally
   fused and with a combined all-reduce), whose gradients, updates and outputs have layouts
   hypothesis chooses (`run_laid_out`).
@@ -45,8 +48,6 @@ from xla_passes.pipeline import Pipeline
 GROUP_SIZE = 8              # the data-parallel devices of every case
 THRESHOLD_BYTES = 1024      # the pass's default threshold_bytes: smaller gradients stay replicated
 PASS = "weight-update-sharding"
-# pmap hands every device its own copy of the weights; the inputs make the copies equal.
-PMAP_PASS = f"{PASS}{{assume_replicated_parameters=true}}"
 MAX_ELEMENTS = 4096         # compile time, not the pass, bounds the weights
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 HLO_DTYPES = {"float32": "f32", "bfloat16": "bf16"}
@@ -141,6 +142,11 @@ def weight_shapes(draw, dtype: str) -> tuple[int, ...]:
 STYLES = ("shard_map", "named_sharding", "pmap")
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "clipped_adam")
 DTYPES = ("float32", "bfloat16")
+# The loss's dtype: float32 weights are cast to any of these, bfloat16 ones to the first two
+# (hypothesis starts from the first).
+COMPUTE_DTYPES = ("bfloat16", "float32", "float16")
+# How the stacked layers run (a case without control flow has none).
+CONTROLS = ("scan", "checkpointed scan", "fori_loop", "cond", "none")
 PER_DEVICE_BATCH = 2
 
 
@@ -148,8 +154,10 @@ PER_DEVICE_BATCH = 2
 # "scaled": y = sum over the batch of data * weight, element by element (a multiply and a reduce);
 # "contracted": one output per example, the data contracted with every dimension of the weight;
 # "matmul": a linear layer, data @ weight over the weight's leading dimension (XLA's dot often
-# makes the gradient a transposed one).
-USES = ("scaled", "contracted", "matmul")
+# makes the gradient a transposed one);
+# "stacked": L x d x d, layers of a residual-free MLP applied in turn in the case's control flow
+# (its gradient is built in the loop, where shard_map's transpose all-reduces each layer's).
+USES = ("scaled", "contracted", "matmul", "stacked")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,13 +168,14 @@ class Weight:
     @property
     def example_shape(self) -> tuple[int, ...]:
         """The shape of one example of the data this weight reads."""
-        return self.shape[:1] if self.use == "matmul" else self.shape
+        return {"matmul": self.shape[:1], "stacked": self.shape[-1:]}.get(self.use, self.shape)
 
 
 @dataclasses.dataclass(frozen=True)
 class StepCase:
     """A training step; `donate`: the step donates the weights and optimizer state, as
-    training loops do (XLA then aliases them to the new values)."""
+    training loops do (XLA then aliases them to the new values); `compute`: the loss's dtype;
+    `control`: how the stacked weight's layers run ("none": there is none)."""
 
     style: str
     optimizer: str
@@ -174,18 +183,30 @@ class StepCase:
     weights: tuple[Weight, ...]
     donate: bool
     seed: int
+    compute: str
+    control: str
 
-    @property
-    def pass_text(self) -> str:
-        return PMAP_PASS if self.style == "pmap" else PASS
+    def pass_text(self, persistent: bool = False) -> str:
+        """The pass, told in the pmap style that every device has the same weights (pmap hands
+        each its own copy; the inputs make the copies equal); `persistent`: the optimizer state
+        stays sharded between steps (`xla_passes.jax.jit` only)."""
+        options = ["assume_replicated_parameters=true"] * (self.style == "pmap") + ["persistent=true"] * persistent
+        return f"{PASS}{{{','.join(options)}}}" if options else PASS
 
 
 @st.composite
-def step_cases(draw, style: str) -> StepCase:
+def step_cases(draw, style: str, mixed_precision: bool = True) -> StepCase:
     dtype = draw(st.sampled_from(DTYPES))
-    weights = draw(st.lists(st.builds(Weight, weight_shapes(dtype), st.sampled_from(USES)), min_size=1, max_size=3))
+    uses = st.sampled_from(USES[:-1])
+    weights = draw(st.lists(st.builds(Weight, weight_shapes(dtype), uses), min_size=1, max_size=3))
+    control = draw(st.sampled_from(CONTROLS))
+    if control != "none":  # 2 or 3 layers of 8 to 32 features: tiny, only a later dimension divisible, or none
+        width = draw(st.sampled_from([8, 12, 16, 24, 32]))
+        weights.append(Weight((draw(st.integers(2, 3)), width, width), "stacked"))
+    compute = (draw(st.sampled_from(COMPUTE_DTYPES if dtype == "float32" else COMPUTE_DTYPES[:2]))
+               if mixed_precision else dtype)
     return StepCase(style, draw(st.sampled_from(OPTIMIZERS)), dtype, tuple(weights), draw(st.booleans()),
-                    draw(st.integers(0, 2**16)))
+                    draw(st.integers(0, 2**16)), compute, control)
 
 
 def _optimizer(name: str):
@@ -196,15 +217,34 @@ def _optimizer(name: str):
             "clipped_adam": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))}[name]()
 
 
-def _loss(params, xs, weights: tuple[Weight, ...]):
+def _stacked_layers(w, x, control: str):
+    """x through the layers w[0], w[1], ... in turn, each a tanh of a matmul, run by `control`."""
+    def layer(h, w_layer):
+        return jnp.tanh(h @ w_layer / math.sqrt(w.shape[-1]))
+
+    if control in ("scan", "checkpointed scan"):
+        body = jax.checkpoint(layer) if control == "checkpointed scan" else layer
+        return jax.lax.scan(lambda h, w_layer: (body(h, w_layer), None), x, w)[0]
+    if control == "fori_loop":
+        return jax.lax.fori_loop(0, w.shape[0], lambda i, h: layer(h, w[i]), x)
+    for w_layer in w:  # "cond": the weights alone decide, so every device takes the same branch
+        x = jax.lax.cond(jnp.mean(w_layer) > 1, layer, lambda h, w_layer: -layer(h, w_layer), x, w_layer)
+    return x
+
+
+def _loss(params, xs, case: StepCase):
+    """The loss in the case's compute dtype (summed in float32)."""
     total = 0.0
-    for w, x, weight in zip(params, xs, weights):
+    for w, x, weight in zip(params, xs, case.weights):
+        w, x = w.astype(case.compute), x.astype(case.compute)
         if weight.use == "scaled":
             y = jnp.einsum("b...,...->...", x, w)
         elif weight.use == "contracted":  # scaled down to stay off tanh's flat tails
             y = jnp.einsum("b...,...->b", x, w) / math.sqrt(math.prod(weight.shape))
-        else:
+        elif weight.use == "matmul":
             y = jnp.einsum("bi,i...->b...", x, w) / math.sqrt(weight.shape[0])
+        else:
+            y = _stacked_layers(w, x, case.control)
         total = total + jnp.sum(jnp.tanh(y.astype(jnp.float32)) ** 2)
     return total
 
@@ -216,7 +256,7 @@ def _step_function(case: StepCase):
     axis = None if case.style == "named_sharding" else "data"
 
     def step(params, state, xs):
-        loss, grads = jax.value_and_grad(_loss)(params, xs, case.weights)
+        loss, grads = jax.value_and_grad(_loss)(params, xs, case)
         if axis is not None:
             grads, loss = jax.lax.pmean((grads, loss), axis)
         updates, state = optimizer.update(grads, state, params)
@@ -225,19 +265,28 @@ def _step_function(case: StepCase):
     return step
 
 
-def _compiled_step(case: StepCase):
-    """A fresh jitted (or pmapped) step, so that JAX compiles it again."""
+def _mesh():
+    """The devices in one "data" axis that XLA's partitioner shards by (jax 0.12's default,
+    explicit axes, would make a fori_loop's indexing of replicated weights say its sharding)."""
+    return jax.make_mesh((GROUP_SIZE,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def _compiled_step(case: StepCase, jit=jax.jit, **jit_kwargs):
+    """A fresh jitted (or pmapped) step, so that JAX compiles it again; `jit` is `jax.jit` or
+    `xla_passes.jax.jit` (which takes `jit_kwargs`, and a pmap step inside it)."""
     step = _step_function(case)
     donated = (0, 1) if case.donate else ()
     if case.style == "pmap":
-        return jax.pmap(step, axis_name="data", donate_argnums=donated)
-    mesh = jax.make_mesh((GROUP_SIZE,), ("data",))
+        if jit is jax.jit:
+            return jax.pmap(step, axis_name="data", donate_argnums=donated)
+        return jit(jax.pmap(step, axis_name="data"), donate_argnums=donated, **jit_kwargs)
+    mesh = _mesh()
     if case.style == "shard_map":
-        return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P())),
-                       keep_unused=True, donate_argnums=donated)
+        return jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P())),
+                   keep_unused=True, donate_argnums=donated, **jit_kwargs)
     replicated, batch = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-    return jax.jit(step, in_shardings=(replicated, replicated, batch),
-                   out_shardings=(replicated, replicated, replicated), keep_unused=True, donate_argnums=donated)
+    return jit(step, in_shardings=(replicated, replicated, batch), out_shardings=(replicated, replicated, replicated),
+               keep_unused=True, donate_argnums=donated, **jit_kwargs)
 
 
 def _step_arguments(case: StepCase):
@@ -254,7 +303,7 @@ def _step_arguments(case: StepCase):
     if case.style == "pmap":  # one copy of the weights and state per device
         params, state = jax.tree.map(lambda leaf: jnp.stack([leaf] * GROUP_SIZE), (params, state))
         return params, state, [x.reshape(GROUP_SIZE, PER_DEVICE_BATCH, *x.shape[1:]) for x in xs]
-    mesh = jax.make_mesh((GROUP_SIZE,), ("data",))
+    mesh = _mesh()
     replicated, batch = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
     return jax.device_put(params, replicated), jax.device_put(state, replicated), jax.device_put(xs, batch)
 
@@ -287,13 +336,25 @@ def run_at_the_flag(case: StepCase) -> tuple[list[np.ndarray], list[np.ndarray],
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:
-        with xla_passes.jax.enable(case.pass_text, strict=True):
+        with xla_passes.jax.enable(case.pass_text(), strict=True):
             rewritten = _leaves(_compiled_step(case)(*_step_arguments(case)))
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
         jax.clear_caches()
     return plain, rewritten, handler.lines
+
+
+def run_through_jit(case: StepCase, persistent: bool = False) -> tuple[list[np.ndarray], list[np.ndarray], list[str]]:
+    """(plain outputs, outputs through `xla_passes.jax.jit` with the pass, its report lines);
+    strict: a pass error or a module XLA refuses raises. `persistent`: the pass hands the
+    optimizer state back sharded."""
+    jax.clear_caches()
+    plain = _leaves(_compiled_step(case)(*_step_arguments(case)))
+    jitted = _compiled_step(case, xla_passes.jax.jit, passes=case.pass_text(persistent), strict=True)
+    rewritten = _leaves(jitted(*_step_arguments(case)))
+    jax.clear_caches()
+    return plain, rewritten, [line for line in jitted.reports if line.startswith(f"{PASS}: ")]
 
 
 @dataclasses.dataclass
@@ -313,7 +374,7 @@ def run_offline(case: StepCase) -> OfflineResult:
     if len(module.entry.parameters) != len(inputs):
         raise AssertionError(f"the lowered step takes {len(module.entry.parameters)} parameters, "
                              f"the case has {len(inputs)} inputs")
-    passes = xla_passes.parse_pipeline(case.pass_text)
+    passes = xla_passes.parse_pipeline(case.pass_text())
     xla_passes.run_passes(module, passes)
     _, _, comparison = runner.compare_modules(module.to_text(), text, inputs,
                                               abs_error_bound=TOLERANCE[case.dtype]["atol"],
@@ -608,10 +669,13 @@ class WorkerCrash(Exception):
     the tail of its stderr."""
 
 
-def _start_worker(stderr_path: str) -> None:
-    """Worker initializer: stderr into a file the parent reads when the worker dies."""
+def _start_worker(stderr_path: str, xla_flags: str) -> None:
+    """Worker initializer: stderr into a file the parent reads when the worker dies; `xla_flags`
+    added to XLA_FLAGS, which XLA reads when the worker's first case starts its backend."""
     descriptor = os.open(stderr_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     os.dup2(descriptor, 2)
+    if xla_flags:
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {xla_flags}".strip()
 
 
 def _call(function, case):
@@ -622,10 +686,12 @@ def _call(function, case):
 
 
 class Worker:
-    """One spawned child process (the test session's 8 CPU devices, inherited through XLA_FLAGS)
-    that runs one case at a time; started on first use, started again after a crash."""
+    """One spawned child process (the test session's 8 CPU devices, inherited through XLA_FLAGS,
+    plus `xla_flags`) that runs one case at a time; started on first use, started again after a
+    crash."""
 
-    def __init__(self):
+    def __init__(self, xla_flags: str = ""):
+        self._xla_flags = xla_flags
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._directory = tempfile.TemporaryDirectory(prefix="wus_worker_")  # removed with the Worker
         self._stderr_path = os.path.join(self._directory.name, "stderr.txt")
@@ -635,7 +701,7 @@ class Worker:
         if self._pool is None:
             self._pool = concurrent.futures.ProcessPoolExecutor(
                 1, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker,
-                initargs=(self._stderr_path,))
+                initargs=(self._stderr_path, self._xla_flags))
         open(self._stderr_path, "w").close()
         future = self._pool.submit(_call, function, case)
         try:

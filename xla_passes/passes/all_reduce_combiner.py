@@ -41,7 +41,11 @@ rounded from f32 (`convert(convert(x, bf16), f32)` becomes `x`). Through a flat 
 reshape and concatenate it does not see that pair, so the combined op would add the rounded
 operands where the separate ones add the exact ones (0.3% of a mixed-precision gradient).
 Such all-reduces are therefore not combined into a flat buffer; in the tuple form XLA
-promotes each element as it promotes a single all-reduce, and the sums are the same.
+promotes each element as it promotes a single all-reduce, and the sums are the same. Nor are
+float32 all-reduces of values converted from narrow floats (mixed precision's gradients of
+float32 master weights): XLA fuses the narrow-float reduction or dot that computes such a value
+into the buffer's concatenate, where its CPU code rounds other partial sums than in the
+separate op's fusion (up to 0.6% of an f16 bias gradient).
 
 Differences from XLA: already combined (tuple) all-reduces are combined further, flattened,
 and count with all their operands; structurally equal non-trivial reducers combine (XLA only
@@ -82,11 +86,20 @@ class AllReduceCombiner(HloPass):
 
 
 def all_reduce_key(instr: HloInstruction) -> tuple | None:
-    """`collective_key`, or None for an all-reduce of narrow floats that would go into a flat
-    buffer (see the module docstring: XLA would sum other values)."""
-    if in_shardy_body(instr) and any(leaf.dtype in NARROW_FLOATS for _, leaf in instr.shape.leaves()):
+    """`collective_key`, or None for an all-reduce of narrow floats, or of values converted from
+    them, that would go into a flat buffer (see the module docstring: XLA would compute other
+    values)."""
+    if in_shardy_body(instr) and (any(leaf.dtype in NARROW_FLOATS for _, leaf in instr.shape.leaves())
+                                  or any(_converted_from_narrow_floats(op) for op in instr.operands)):
         return None
     return collective_key(instr)
+
+
+def _converted_from_narrow_floats(value: HloInstruction) -> bool:
+    """Whether `value` is, up to reshapes, transposes and copies, a convert from a narrow float."""
+    while value.opcode in ("reshape", "bitcast", "transpose", "copy"):
+        value = value.operand(0)
+    return value.opcode == "convert" and value.operand(0).shape.dtype in NARROW_FLOATS
 
 
 def combine_all_reduces(members: Sequence[HloInstruction]) -> HloInstruction:
