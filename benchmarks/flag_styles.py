@@ -32,8 +32,7 @@ from xla_passes.training import use_cpu_devices
 
 use_cpu_devices(8)
 
-import flax.linen as nn  # noqa: E402 - after choosing the device count
-import jax  # noqa: E402
+import jax  # noqa: E402 - after choosing the device count
 import jax.numpy as jnp  # noqa: E402
 import jaxlib  # noqa: E402
 import numpy as np  # noqa: E402
@@ -41,7 +40,7 @@ import optax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from hlo_tools.xla import xla_bridge  # noqa: E402
-from xla_passes.training import collective_counts, compile_step  # noqa: E402
+from xla_passes.training import MLP, collective_counts, compile_step  # noqa: E402
 
 STYLES = ("shard_map", "jit", "pmap")
 WIDTHS = (512, 512, 512, 10)
@@ -55,17 +54,9 @@ def passes_for(style: str) -> dict[str, str | None]:
     return {"plain": None, "collective-fusion": "collective-fusion", "weight-update-sharding": wus}
 
 
-class MLP(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        for width in WIDTHS[:-1]:
-            x = nn.relu(nn.Dense(width)(x))
-        return nn.Dense(WIDTHS[-1])(x)
-
-
 def build(style: str):
     """(step, args) of one style; every step donates its parameters and optimizer state."""
-    model, tx = MLP(), optax.adam(1e-3)
+    model, tx = MLP(WIDTHS), optax.adam(1e-3)
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
 
     def loss_fn(params, x, y):
