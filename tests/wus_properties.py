@@ -195,11 +195,13 @@ class StepCase:
 
 
 @st.composite
-def step_cases(draw, style: str, mixed_precision: bool = True) -> StepCase:
+def step_cases(draw, style: str, mixed_precision: bool = True, control_flow: bool = True) -> StepCase:
+    """A training step; without `mixed_precision` the loss is in the weights' dtype, without
+    `control_flow` the step has no stacked layers (and neither is drawn)."""
     dtype = draw(st.sampled_from(DTYPES))
     uses = st.sampled_from(USES[:-1])
     weights = draw(st.lists(st.builds(Weight, weight_shapes(dtype), uses), min_size=1, max_size=3))
-    control = draw(st.sampled_from(CONTROLS))
+    control = draw(st.sampled_from(CONTROLS)) if control_flow else "none"
     if control != "none":  # 2 or 3 layers of 8 to 32 features: tiny, only a later dimension divisible, or none
         width = draw(st.sampled_from([8, 12, 16, 24, 32]))
         weights.append(Weight((draw(st.integers(2, 3)), width, width), "stacked"))
