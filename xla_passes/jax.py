@@ -46,6 +46,7 @@ from collections.abc import Sequence
 
 import hlo_tools
 from hlo_tools.xla import proto_patch, xla_bridge
+from hlo_tools.ir.errors import one_line
 from hlo_tools.ir.parser import garbage_collection_paused
 
 from . import validation
@@ -302,11 +303,15 @@ def _wrap_in_fusions(_pass_name: str, module) -> None:
     elementwise and reduction instructions only inside fusions, so each goes in a kLoop fusion of
     its own, in every computation that runs on its own (the entry, while, conditional and call
     bodies; not fusion bodies or reducers)."""
-    called = {callee for instr in module.instructions() if instr.opcode in ("while", "conditional", "call")
-              for callee in instr.called_computations}
-    for comp in [module.entry, *called]:
-        if comp.parsed:   # a body left unread is XLA's own, already fused
-            wrap_in_fusions(comp)
+    stack, seen = [module.entry], set()
+    while stack:
+        comp = stack.pop()
+        if comp in seen or not comp.parsed:   # a body left unread is XLA's own, already fused
+            continue
+        seen.add(comp)
+        stack.extend(callee for instr in comp.instructions if instr.opcode in ("while", "conditional", "call")
+                     for callee in instr.called_computations)
+        wrap_in_fusions(comp)
 
 
 def _check(original: bytes, rewritten: bytes, module, pipeline: Pipeline, settings: Settings,
@@ -468,8 +473,7 @@ class PassJitted:
         if self._strict:
             raise exc
         logger.warning("xla_passes.jax.jit: %s: %s: %s: %s; JAX compiles its own lowering (strict=True makes "
-                       "this an error)", name, self._passes, type(exc).__name__, str(exc).strip().splitlines()[0]
-                       if str(exc).strip() else "")
+                       "this an error)", name, self._passes, type(exc).__name__, one_line(str(exc)))
 
     def _compile(self, *args, **kwargs):
         lowered = self.lower(*args, **kwargs)
