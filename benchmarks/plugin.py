@@ -47,7 +47,7 @@ import jax
 import hlo_tools
 import xla_passes.jax
 from hlo_tools.xla import proto_patch, xla_bridge
-from hlo_tools.ir.parser import garbage_collection_paused
+from hlo_tools.garbage_collection import garbage_collection_paused
 from hlo_tools.ir.verifier import verify_edits, verify_module
 from xla_passes import Pipeline
 from xla_passes.configuration import Settings

@@ -169,3 +169,56 @@ def test_post_orders():
         assert all(order.index(op) < i for op in instr.operands)
     assert [c.name for c in m.computations_post_order()] == ["add", "main"]
     assert m.callers()[m.computation("add")] == [m.entry.get("ar")]
+
+
+def test_edit_state_accessors():
+    """What the printer, the verifier and proto_patch read about edits, through public accessors."""
+    from hlo_tools.ir.printer import instruction_line
+    m = hlo_tools.parse_module(SHORT)
+    entry, add = m.entry, m.computation("add")
+    assert m.source_text == SHORT and not m.computations_edited and not m.header_edited
+    start, end = entry.source_span
+    assert SHORT[start:end].startswith("ENTRY main {") and SHORT[slice(*entry.head_source_span)] == "ENTRY main {"
+    mul, out = entry.get("mul"), entry.get("out")
+    assert SHORT[slice(*mul.source_span)] == "mul = f32[8]{0} multiply(p0, p1)"
+    assert instruction_line(out) == "ROOT out = f32[8]{0} add(ar, p0)"
+    assert not entry.edited and not mul.edited_operands_only and not mul.shape_was_set
+
+    mul.set_operand(1, entry.get("p0"))
+    assert mul.source_span is None and mul.edited_operands_only and entry.edited and not add.edited
+    assert instruction_line(mul) == "mul = f32[8]{0} multiply(p0, p0)"  # in the module's short style
+    mul.set_shape(mul.shape)
+    assert mul.shape_was_set
+    m.set_attr("replica_count", 4)
+    assert m.header_edited
+    built = hlo_tools.HloModule("built")
+    assert built.source_text is None
+
+
+def test_attribute_readers_take_typed_values_and_raw_text():
+    from hlo_tools.ir.attributes import AttrValueError, Raw, attr_bool, attr_int, attr_ints
+    from hlo_tools.ir.shape_inference import ShapeInferenceError, infer_shape
+    attrs = {"channel_id": Raw("3"), "dimensions": Raw("{0,1}"), "constrain_layout": Raw("true"), "n": 2}
+    assert (attr_int(attrs, "channel_id"), attr_ints(attrs, "dimensions"), attr_bool(attrs, "constrain_layout")) == (
+        3, (0, 1), True)
+    assert attr_int(attrs, "n") == 2 and attr_int(attrs, "missing", 7) == 7 and not attr_bool(attrs, "missing")
+    with pytest.raises(AttrValueError, match="attribute iota_dimension must be an integer"):
+        attr_int({"iota_dimension": Raw("x")}, "iota_dimension")
+    # Shape inference still reports a bad value as ShapeInferenceError.
+    with pytest.raises(ShapeInferenceError, match="attribute dimensions must be an integer list"):
+        infer_shape("reverse", [Shape.array("f32", (2,))], {"dimensions": Raw("{x}")})
+
+
+@pytest.mark.parametrize("operand, result, expected", [
+    ("f32[1,64,32]{2,1,0}", "f32[64,32]{1,0}", True),
+    ("f32[3,3,16,16]{3,2,1,0}", "f32[2304]{0}", True),
+    ("f32[64,1,32]{2,0,1}", "f32[64,32]{1,0}", True),      # a size-1 dimension goes anywhere
+    ("f32[64,32]{0,1}", "f32[2048]{0}", False),            # column-major: the flattening moves elements
+    ("f32[64,32]{1,0}", "f32[32,64]{0,1}", False),
+    ("f32[64,32]{1,0}", "s32[64,32]{1,0}", False),
+    ("f32[64,32]{1,0:T(8,128)}", "f32[2048]{0}", False),    # tiled: not only an order
+])
+def test_reshape_is_bitcast_only_where_no_element_moves_in_memory(operand, result, expected):
+    module = hlo_tools.parse_module(f"HloModule m\nENTRY e {{\n  p = {operand} parameter(0)\n"
+                                    f"  ROOT r = {result} reshape(p)\n}}\n")
+    assert module.entry.root.operands[0].shape.reshape_is_bitcast(module.entry.root.shape) is expected

@@ -37,7 +37,7 @@ from hlo_tools.ir.attributes import AttrError, FrontendAttributes, Metadata, Raw
 from hlo_tools.ir.opcodes import async_wrapped_opcode
 from hlo_tools.ir.printer import format_value
 from hlo_tools.ir.shape import Layout, Shape
-from hlo_tools.ir.shape_inference import attr_bool, attr_ints
+from hlo_tools.ir.attributes import attr_bool, attr_ints
 
 # Binary opcodes whose operands may be swapped: `add(b, a)` reduces exactly like `add(a, b)`.
 COMMUTATIVE_OPCODES = frozenset({"add", "multiply", "maximum", "minimum", "and", "or", "xor"})

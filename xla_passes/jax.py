@@ -47,7 +47,7 @@ from collections.abc import Sequence
 import hlo_tools
 from hlo_tools.xla import proto_patch, xla_bridge
 from hlo_tools.ir.errors import one_line
-from hlo_tools.ir.parser import garbage_collection_paused
+from hlo_tools.garbage_collection import garbage_collection_paused
 
 from . import validation
 from .collectives import apply_platform_thresholds

@@ -34,7 +34,7 @@ import enum
 import re
 
 from hlo_tools import HloInstruction, HloModule, ReplicaGroups
-from hlo_tools.ir.shape_inference import attr_bool
+from hlo_tools.ir.attributes import attr_bool
 
 
 class GroupMode(enum.Enum):

@@ -278,7 +278,7 @@ class _Step:
 
     def _variable_updates(self, module) -> list[tuple[int, int]]:
         """(output leaf, input) pairs: the variables the step assigns, from TF's input_output_alias."""
-        from hlo_tools.ir.verifier import parse_input_output_alias  # noqa: PLC0415
+        from hlo_tools.ir.attributes import parse_input_output_alias  # noqa: PLC0415
 
         alias = module.attrs.get("input_output_alias")
         updates = [(index[0], parameter) for index, parameter, _, _ in

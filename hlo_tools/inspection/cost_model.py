@@ -27,7 +27,7 @@ import sys
 from hlo_tools.ir import attributes
 from hlo_tools.inspection import stats
 from hlo_tools.ir.hlo import HloInstruction, HloModule
-from hlo_tools.ir.shape_inference import attr_bool
+from hlo_tools.ir.attributes import attr_bool
 from hlo_tools.inspection.topology import Topology
 
 __all__ = ["Chip", "CHIPS", "CollectiveEstimate", "CollectivePlan", "StepEstimate", "CostModelError",

@@ -5,6 +5,10 @@ such as `custom_call_target="foo"`), `tuple[int, ...]` (`dimensions={0,1}`), an 
 (`to_apply=`), a tuple of computations (`branch_computations=`) or of instructions
 (`control-predecessors=`). Structured values have a class here. Attributes this module does not
 know stay `Raw` and print exactly as they were written.
+
+Reading a value whatever its form (typed, or `Raw` text the parser did not interpret):
+`attr_int`, `attr_ints`, `attr_bool`. The module header's aliasing lists: `parse_input_output_alias`,
+`parse_buffer_donor`, and an instruction's `parse_output_to_operand_aliasing`.
 """
 from __future__ import annotations
 
@@ -19,6 +23,17 @@ class AttrError(Exception):
         super().__init__(message)
         self.message = message
         self.offset = offset
+
+
+class AttrValueError(AttrError):
+    """An attribute whose value is not of the type its reader asks for (`attr_int` of `x`)."""
+
+
+class Named:
+    """Base of the IR objects an attribute value can name, computations (`to_apply=%add`) and
+    instructions (`control-predecessors={%a}`): attributes print them by name."""
+
+    __slots__ = ()
 
 
 @dataclass(frozen=True)
@@ -55,6 +70,12 @@ QUOTED_ATTRS = frozenset({
     "custom_call_target", "async_execution_thread", "infeed_config", "outfeed_config", "execution_thread",
 })
 INSTRUCTION_LIST_ATTRS = frozenset({"control-predecessors"})
+CONTROL_PREDECESSORS = "control-predecessors"
+# Attributes whose values name computations of the module.
+COMPUTATION_ATTRS = frozenset({
+    "to_apply", "calls", "condition", "body", "branch_computations", "true_computation",
+    "false_computation", "select", "scatter", "called_computations",
+})
 
 _INT = re.compile(r"-?\d+")
 _IDENT = re.compile(r"[A-Za-z_][\w.\-]*")
@@ -168,6 +189,50 @@ def quote(value: str) -> str:
         else:
             out.append(c)
     return '"' + "".join(out) + '"'
+
+
+# -- reading values of any form ------------------------------------------------------------------------
+def attr_int(attrs: dict, key: str, default=None):
+    """`attrs[key]` as an int (`default` when absent); AttrValueError when it is not one."""
+    value = attrs.get(key, default)
+    if isinstance(value, Raw):
+        value = value.text
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            raise AttrValueError(f"attribute {key} must be an integer, got {value!r}") from None
+    if isinstance(value, bool):
+        return int(value)
+    return value
+
+
+def attr_ints(attrs: dict, key: str, default=None):
+    """`attrs[key]` as a tuple of ints (`default` when absent); AttrValueError when it is not one."""
+    value = attrs.get(key, default)
+    if isinstance(value, Raw):
+        value = value.text
+    if isinstance(value, str):
+        body = value.strip()
+        if body.startswith("{") and body.endswith("}"):
+            body = body[1:-1]
+        try:
+            return tuple(int(x) for x in body.split(",") if x.strip())
+        except ValueError:
+            raise AttrValueError(f"attribute {key} must be an integer list, got {value!r}") from None
+    if value is None:
+        return None
+    return tuple(value)
+
+
+def attr_bool(attrs: dict, key: str, default: bool = False) -> bool:
+    """`attrs[key]` as a bool (`default` when absent; text other than `true` is False)."""
+    value = attrs.get(key, default)
+    if isinstance(value, Raw):
+        value = value.text
+    if isinstance(value, str):
+        return value.strip() == "true"
+    return bool(value)
 
 
 # -- windows ------------------------------------------------------------------------------------------
@@ -946,3 +1011,48 @@ class FrontendAttributes:
 
     def __str__(self):
         return "{" + ",".join(f"{k}={quote(v)}" for k, v in self.items) + "}"
+
+
+# -- aliasing lists ---------------------------------------------------------------------------------------
+_SHAPE_INDEX = r"\{\s*(-?\d+(?:\s*,\s*-?\d+)*)?\s*\}"
+
+
+def _index(text) -> tuple:
+    return tuple(int(x) for x in text.split(",")) if text else ()
+
+
+def parse_input_output_alias(text: str):
+    """`{ {0}: (0, {}, may-alias), {1}: (1, {1}) }` -> [(output index, param, param index, kind)];
+    ValueError when the text is not such a list."""
+    item = re.compile(r"\s*" + _SHAPE_INDEX + r"\s*:\s*\(\s*(-?\d+)\s*,\s*" + _SHAPE_INDEX
+                      + r"\s*(?:,\s*(may-alias|must-alias)\s*)?\)\s*(,|$)")
+    return [(_index(m.group(1)), int(m.group(2)), _index(m.group(3)), m.group(4) or "may-alias")
+            for m in _braced_items(text, item, "input_output_alias")]
+
+
+def parse_buffer_donor(text: str):
+    """`{(0, {}), (1, {1})}` -> [(parameter, parameter index)]."""
+    item = re.compile(r"\s*\(\s*(-?\d+)\s*,\s*" + _SHAPE_INDEX + r"\s*\)\s*(,|$)")
+    return [(int(m.group(1)), _index(m.group(2))) for m in _braced_items(text, item, "buffer_donor")]
+
+
+def parse_output_to_operand_aliasing(text: str):
+    """`{{0}: (1, {}), {1}: (0, {0})}` -> [(output index, operand number, operand index)]."""
+    item = re.compile(r"\s*" + _SHAPE_INDEX + r"\s*:\s*\(\s*(-?\d+)\s*,\s*" + _SHAPE_INDEX + r"\s*\)\s*(,|$)")
+    return [(_index(m.group(1)), int(m.group(2)), _index(m.group(3)))
+            for m in _braced_items(text, item, "output_to_operand_aliasing")]
+
+
+def _braced_items(text: str, item: re.Pattern, attribute: str) -> list[re.Match]:
+    """The matches of `item`, one after another, that make up the braced list `text` of `attribute`."""
+    body = text.strip()
+    if not (body.startswith("{") and body.endswith("}")):
+        raise ValueError(f"expects '{{' at the start of {attribute}")
+    matches, pos, inner = [], 0, body[1:-1]
+    while inner[pos:].strip():
+        m = item.match(inner, pos)
+        if not m:
+            raise ValueError(f"cannot parse '{inner[pos:].strip()[:40]}'")
+        matches.append(m)
+        pos = m.end()
+    return matches

@@ -14,17 +14,25 @@ which parses them then; `comp.parsed` and `comp.unparsed_text` tell without pars
 """
 from __future__ import annotations
 
+import re
 from typing import Iterable
 
+from hlo_tools.ir.attributes import COMPUTATION_ATTRS, CONTROL_PREDECESSORS, Named, Raw
+from hlo_tools.ir.printer import entry_computation_layout, print_instruction, print_module
 from hlo_tools.ir.shape import Shape
 
-CONTROL_PREDECESSORS = "control-predecessors"
+__all__ = ["HloInstruction", "HloComputation", "HloModule", "COMPUTATION_ATTRS", "CONTROL_PREDECESSORS",
+           "defined_names"]
 
-# Attributes whose values name computations of the module.
-COMPUTATION_ATTRS = frozenset({
-    "to_apply", "calls", "condition", "body", "branch_computations", "true_computation",
-    "false_computation", "select", "scatter", "called_computations",
-})
+# Lines of a computation's body (which starts with a line break) that define an instruction:
+# `[ROOT] [%]name =`. The leading `\n` lets the regex engine jump from line to line.
+_DEFINED_NAME = re.compile(r"\n[ \t]*(?:ROOT[ \t]+)?%?([A-Za-z_][\w.\-]*)[ \t]*=")
+
+
+def defined_names(body_text: str) -> list[str]:
+    """The names of the instructions a computation body's text defines, one per line (nested
+    anonymous instructions get fresh names when parsed, so they claim none)."""
+    return _DEFINED_NAME.findall(body_text)
 
 
 class _AttrDict(dict):
@@ -76,7 +84,7 @@ class _AttrDict(dict):
         return self[key]
 
 
-class HloInstruction:
+class HloInstruction(Named):
     """One HLO instruction. Create through `HloComputation.add_instruction`."""
 
     # Defaults shared by every instruction until one sets its own (keeps creation cheap: parsing
@@ -236,10 +244,26 @@ class HloInstruction:
         if pred not in preds:
             self.attrs[CONTROL_PREDECESSORS] = preds + (pred,)
 
+    # -- edit state (what printing, the verifier and hlo_tools.xla.proto_patch read) --------------
+    @property
+    def source_span(self) -> tuple[int, int] | None:
+        """(start, end) of this instruction's text in its module's `source_text` while it is
+        unedited; None once edited, and for an instruction the parser did not make."""
+        return self._span
+
+    @property
+    def edited_operands_only(self) -> bool:
+        """Whether every edit since parsing set operands (nothing else about it changed)."""
+        return self._edited_operands_only
+
+    @property
+    def shape_was_set(self) -> bool:
+        """Whether `set_shape` was called (its users may no longer fit it)."""
+        return self._shape_set
+
     # -- printing ---------------------------------------------------------------------------------
     def to_text(self, *, sigils: bool = True, operand_shapes: bool = True) -> str:
         """This instruction in XLA's syntax (no `ROOT`), regenerated from the IR."""
-        from hlo_tools.ir.printer import print_instruction
         return print_instruction(self, sigils=sigils, operand_shapes=operand_shapes)
 
 
@@ -247,7 +271,7 @@ class HloInstruction:
 _BODY_ATTRS = frozenset({"instructions", "root", "_gaps", "_tail_span"})
 
 
-class HloComputation:
+class HloComputation(Named):
     """A computation: parameters, instructions in order, one root."""
 
     # Set on a computation whose body is still source text: called once, it parses the body
@@ -331,6 +355,23 @@ class HloComputation:
 
     # -- reading ----------------------------------------------------------------------------------
     @property
+    def edited(self) -> bool:
+        """Whether its instruction list or an instruction of it changed since parsing."""
+        return self._dirty
+
+    @property
+    def source_span(self) -> tuple[int, int] | None:
+        """(start, end) of the computation's text in its module's `source_text` (None for one the
+        parser did not make); the text still holds it where it is not `edited`."""
+        return self._span
+
+    @property
+    def head_source_span(self) -> tuple[int, int] | None:
+        """(start, end) of its first line, `ENTRY name (sig) -> shape {`, in its module's
+        `source_text`; None once the signature changed, and for one the parser did not make."""
+        return self._head_span
+
+    @property
     def parameters(self) -> list[HloInstruction]:
         params = [i for i in self.instructions if i.opcode == "parameter"]
         params.sort(key=lambda p: p.parameter_number)
@@ -397,8 +438,6 @@ class HloComputation:
         if module is not None and self.is_entry:
             module._header_stale = True
             if "entry_computation_layout" in module.attrs and self.root is not None:
-                from hlo_tools.ir.attributes import Raw
-                from hlo_tools.ir.printer import entry_computation_layout
                 module.attrs["entry_computation_layout"] = Raw(entry_computation_layout(self))
 
     def add_instruction(self, opcode: str, operands: Iterable[HloInstruction] = (), shape: Shape | None = None,
@@ -614,6 +653,21 @@ class HloModule:
 
     # -- reading ----------------------------------------------------------------------------------
     @property
+    def source_text(self) -> str | None:
+        """The text the module was parsed from (None for a module built without parsing)."""
+        return self._source
+
+    @property
+    def computations_edited(self) -> bool:
+        """Whether computations were added to or removed from the module since parsing."""
+        return self._dirty
+
+    @property
+    def header_edited(self) -> bool:
+        """Whether the header line (`HloModule name, attrs...`) changed since parsing."""
+        return self._header_stale
+
+    @property
     def replica_count(self) -> int:
         return int(self.attrs.get("replica_count", 1))
 
@@ -704,7 +758,6 @@ class HloModule:
     def _claimed_names(self) -> set[str]:
         """Every name in the module, those in bodies not parsed yet included (read from their text)."""
         if self._unclaimed:
-            from hlo_tools.ir.parser import defined_names
             self._names.update(defined_names("".join(c.unparsed_text for c in self._unclaimed if not c.parsed)))
             self._unclaimed = []
         return self._names
@@ -803,7 +856,6 @@ class HloModule:
 
         `regenerate=True` prints everything from the IR, reusing no source text.
         """
-        from hlo_tools.ir.printer import print_module
         return print_module(self, regenerate=regenerate)
 
     def __str__(self):

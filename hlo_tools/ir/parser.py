@@ -12,15 +12,15 @@ reproduces unmodified text byte for byte.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-import gc
 import operator
 import re
 
+from hlo_tools.garbage_collection import garbage_collection_paused
 from hlo_tools.ir import attributes as A
+from hlo_tools.ir.attributes import COMPUTATION_ATTRS
 from hlo_tools.ir.errors import HloParseError
-from hlo_tools.ir.hlo import COMPUTATION_ATTRS, HloComputation, HloInstruction, HloModule
+from hlo_tools.ir.hlo import HloComputation, HloInstruction, HloModule
 from hlo_tools.ir.literal import Literal
 from hlo_tools.ir.opcodes import OPCODES, is_opcode
 from hlo_tools.ir.shape import DTYPE_BITS, UNBOUNDED, Layout, Shape
@@ -113,22 +113,6 @@ def parse_module(text: str, *, lazy_bodies: bool = False) -> HloModule:
     except _INTERNAL_ERRORS as e:
         # A parser bug must still surface as the documented error type; "internal error" marks it.
         raise parser.error(f"internal error while parsing: {type(e).__name__}: {e}") from e
-
-
-@contextlib.contextmanager
-def garbage_collection_paused():
-    """No garbage collection inside the block (unless it was already off).
-
-    Building or rewriting an IR allocates tens of thousands of objects that stay alive, and each
-    collection midway walks all of them (and everything else the process holds) for nothing.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def parse_shape(text: str) -> Shape:
@@ -1326,17 +1310,6 @@ def _parse_unparsed_body(text: str, computations_by_name: dict, positions: tuple
 # The header of a non-entry computation as XLA prints it: `[%]name [(params) -> shape] {` and a
 # line break; the signature (group 2) has no braces (XLA prints no layouts there).
 _UNPARSED_HEAD = re.compile(r"%?([A-Za-z_][\w.\-]*)[ \t]*(\([^\n{}]*\)[ \t]*->[ \t]*[^\n{}]*?)?[ \t]*\{(?=[ \t]*\n)")
-
-# Lines of a computation's body (which starts with a line break) that define an instruction:
-# `[ROOT] [%]name =`. The leading `\n` lets the regex engine jump from line to line.
-_DEFINED_NAME = re.compile(r"\n[ \t]*(?:ROOT[ \t]+)?%?([A-Za-z_][\w.\-]*)[ \t]*=")
-
-
-def defined_names(body_text: str) -> list[str]:
-    """The names of the instructions a computation body's text defines, one per line (nested
-    anonymous instructions get fresh names when parsed, so they claim none)."""
-    return _DEFINED_NAME.findall(body_text)
-
 
 _STRUCTURED = {
     "window": A.Window.parse,

@@ -6,9 +6,14 @@ computation signatures so that edited modules read like their originals.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from hlo_tools.ir import attributes as A
-from hlo_tools.ir.hlo import COMPUTATION_ATTRS, HloComputation, HloInstruction, HloModule
-from hlo_tools.ir.shape import Shape
+from hlo_tools.ir.attributes import COMPUTATION_ATTRS
+
+if TYPE_CHECKING:  # the printer reads the IR; the IR's `to_text` calls the printer
+    from hlo_tools.ir.hlo import HloComputation, HloInstruction, HloModule
+    from hlo_tools.ir.shape import Shape
 
 
 def print_module(module: HloModule, regenerate: bool = False) -> str:
@@ -86,6 +91,15 @@ def _instruction_text(instr: HloInstruction, style: _Style) -> str:
     return "ROOT " + text if is_root else text
 
 
+def instruction_line(instr: HloInstruction) -> str:
+    """The instruction's line as its module's `to_text()` prints it, without the indent: its
+    source text while unedited, else printed in the module's style; with `ROOT` for the root."""
+    module = instr.parent.parent if instr.parent is not None else None
+    if module is None:
+        return instr.to_text()
+    return _instruction_text(instr, _Style(module, regenerate=False))
+
+
 def _computation_head(comp: HloComputation, style: _Style) -> str:
     pfx = "%" if style.sigils else ""
     head = ("ENTRY " if comp.is_entry else "") + pfx + comp.name
@@ -125,7 +139,7 @@ def format_value(key: str, value) -> str:
         if key in A.QUOTED_ATTRS or key == "backend_config":
             return A.quote(value)
         return value
-    if isinstance(value, HloComputation):
+    if isinstance(value, A.Named):  # a computation
         return "%" + value.name
     if isinstance(value, tuple):
         if key in A.INT_LIST_ATTRS:
@@ -162,9 +176,9 @@ def print_instruction(instr: HloInstruction, *, sigils: bool = True, operand_sha
         parts.append(", ".join(ops))
     parts.append(")")
     for key, value in instr.attrs.items():
-        if isinstance(value, HloComputation) and not sigils:
+        if isinstance(value, A.Named) and not sigils:
             parts.append(f", {key}={value.name}")
-        elif not sigils and isinstance(value, tuple) and value and isinstance(value[0], (HloComputation, HloInstruction)):
+        elif not sigils and isinstance(value, tuple) and value and isinstance(value[0], A.Named):
             parts.append(f", {key}={{{', '.join(v.name for v in value)}}}")
         else:
             parts.append(f", {key}={format_value(key, value)}")

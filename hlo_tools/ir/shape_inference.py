@@ -20,7 +20,8 @@ slice, dynamic-slice, collectives, fusion, ...): `PARSER_INFERABLE` lists the on
 """
 from __future__ import annotations
 
-from hlo_tools.ir.attributes import ConvDimensionNumbers, PaddingConfig, Raw, SliceSpec, Window
+from hlo_tools.ir.attributes import (AttrValueError, ConvDimensionNumbers, PaddingConfig, Raw, SliceSpec, Window,
+                                     attr_bool, attr_int, attr_ints)
 from hlo_tools.ir.shape import COMPLEX_DTYPES, DTYPE_BITS, FLOAT_DTYPES, INTEGRAL_DTYPES, SIGNED_DTYPES, Layout, Shape
 
 
@@ -179,47 +180,6 @@ def _shape_text(shape: Shape) -> str:
     return shape.to_text(False)
 
 
-# -- attribute access (typed values, or Raw text the parser did not interpret) --------------------
-def attr_int(attrs: dict, key: str, default=None):
-    value = attrs.get(key, default)
-    if isinstance(value, Raw):
-        value = value.text
-    if isinstance(value, str):
-        try:
-            return int(value.strip())
-        except ValueError:
-            _fail(f"attribute {key} must be an integer, got {value!r}")
-    if isinstance(value, bool):
-        return int(value)
-    return value
-
-
-def attr_ints(attrs: dict, key: str, default=None):
-    value = attrs.get(key, default)
-    if isinstance(value, Raw):
-        value = value.text
-    if isinstance(value, str):
-        body = value.strip()
-        if body.startswith("{") and body.endswith("}"):
-            body = body[1:-1]
-        try:
-            return tuple(int(x) for x in body.split(",") if x.strip())
-        except ValueError:
-            _fail(f"attribute {key} must be an integer list, got {value!r}")
-    if value is None:
-        return None
-    return tuple(value)
-
-
-def attr_bool(attrs: dict, key: str, default: bool = False) -> bool:
-    value = attrs.get(key, default)
-    if isinstance(value, Raw):
-        value = value.text
-    if isinstance(value, str):
-        return value.strip() == "true"
-    return bool(value)
-
-
 def _required(attrs: dict, key: str, opcode: str):
     if attrs.get(key) is None:
         _fail(f"{opcode} needs the attribute {key}")
@@ -257,7 +217,13 @@ def infer_shape(opcode: str, operand_shapes, attrs: dict | None = None, literal=
     bitcast-convert and stochastic-convert, or the preferred result type of dot and convolution.
     Raises ShapeInferenceError when the shape cannot be inferred or the operands are invalid.
     """
-    attrs = attrs or {}
+    try:
+        return _infer_shape(opcode, operand_shapes, attrs or {}, literal, element_type)
+    except AttrValueError as e:
+        raise ShapeInferenceError(str(e)) from None
+
+
+def _infer_shape(opcode: str, operand_shapes, attrs: dict, literal, element_type: str | None) -> Shape:
     shapes = [default_layout(s) for s in operand_shapes]
     if opcode == "constant" and literal is not None and getattr(literal, "shape", None) is not None:
         return _finalize(literal.shape)

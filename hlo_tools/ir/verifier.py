@@ -29,8 +29,8 @@ from hlo_tools.ir import attributes as A
 from hlo_tools.ir.errors import HloVerifyError
 from hlo_tools.ir.opcodes import OPCODES, async_wrapped_opcode
 from hlo_tools.ir.shape import FLOAT_DTYPES, INTEGRAL_DTYPES, UNBOUNDED, Shape
-from hlo_tools.ir.shape_inference import (ShapeInferenceError, attr_bool, attr_int, attr_ints, compatible,
-                                          default_layout, infer_shape, program_shape)
+from hlo_tools.ir.attributes import attr_bool, attr_int, attr_ints
+from hlo_tools.ir.shape_inference import ShapeInferenceError, compatible, default_layout, infer_shape, program_shape
 
 # ----------------------------------------------------------------------------------------------------
 # What XLA's parser accepts per opcode (CreateInstruction in xla/hlo/parser/hlo_parser.cc)
@@ -916,7 +916,7 @@ class _Verifier:
         if raw is None:
             return
         try:
-            entries = _parse_instruction_aliasing(str(raw))
+            entries = A.parse_output_to_operand_aliasing(str(raw))
         except ValueError as e:
             self.fail(instr, f"malformed output_to_operand_aliasing: {e}")
         operands = instr.operands
@@ -1542,7 +1542,7 @@ class _Verifier:
         aliased = set()
         if raw is not None:
             try:
-                entries = parse_input_output_alias(str(raw))
+                entries = A.parse_input_output_alias(str(raw))
             except ValueError as e:
                 raise HloVerifyError(f"malformed input_output_alias: {e}", line=1)
             outputs = set()
@@ -1575,7 +1575,7 @@ class _Verifier:
         raw = self.module.attrs.get("buffer_donor")
         if raw is not None:
             try:
-                donors = _parse_buffer_donor(str(raw))
+                donors = A.parse_buffer_donor(str(raw))
             except ValueError as e:
                 raise HloVerifyError(f"malformed buffer_donor: {e}", line=1)
             for param_no, param_index in donors:
@@ -1749,48 +1749,6 @@ def _subshape(shape: Shape, index):
 
 def _idx(index) -> str:
     return "{" + ",".join(map(str, index)) + "}"
-
-
-_SHAPE_INDEX = r"\{\s*(-?\d+(?:\s*,\s*-?\d+)*)?\s*\}"
-
-
-def _index(text) -> tuple:
-    return tuple(int(x) for x in text.split(",")) if text else ()
-
-
-def parse_input_output_alias(text: str):
-    """`{ {0}: (0, {}, may-alias), {1}: (1, {1}) }` -> [(output index, param, param index, kind)]."""
-    item = re.compile(r"\s*" + _SHAPE_INDEX + r"\s*:\s*\(\s*(-?\d+)\s*,\s*" + _SHAPE_INDEX
-                      + r"\s*(?:,\s*(may-alias|must-alias)\s*)?\)\s*(,|$)")
-    return [(_index(m.group(1)), int(m.group(2)), _index(m.group(3)), m.group(4) or "may-alias")
-            for m in _braced_items(text, item, "input_output_alias")]
-
-
-def _parse_buffer_donor(text: str):
-    item = re.compile(r"\s*\(\s*(-?\d+)\s*,\s*" + _SHAPE_INDEX + r"\s*\)\s*(,|$)")
-    return [(int(m.group(1)), _index(m.group(2))) for m in _braced_items(text, item, "buffer_donor")]
-
-
-def _parse_instruction_aliasing(text: str):
-    """`{{0}: (1, {}), {1}: (0, {0})}` -> [(output index, operand number, operand index)]."""
-    item = re.compile(r"\s*" + _SHAPE_INDEX + r"\s*:\s*\(\s*(-?\d+)\s*,\s*" + _SHAPE_INDEX + r"\s*\)\s*(,|$)")
-    return [(_index(m.group(1)), int(m.group(2)), _index(m.group(3)))
-            for m in _braced_items(text, item, "output_to_operand_aliasing")]
-
-
-def _braced_items(text: str, item: re.Pattern, attribute: str) -> list[re.Match]:
-    """The matches of `item`, one after another, that make up the braced list `text` of `attribute`."""
-    body = text.strip()
-    if not (body.startswith("{") and body.endswith("}")):
-        raise ValueError(f"expects '{{' at the start of {attribute}")
-    matches, pos, inner = [], 0, body[1:-1]
-    while inner[pos:].strip():
-        m = item.match(inner, pos)
-        if not m:
-            raise ValueError(f"cannot parse '{inner[pos:].strip()[:40]}'")
-        matches.append(m)
-        pos = m.end()
-    return matches
 
 
 @functools.lru_cache(maxsize=64)

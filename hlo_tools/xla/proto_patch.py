@@ -24,6 +24,7 @@ those of xla/service/hlo.proto.
 from __future__ import annotations
 
 from hlo_tools.ir.hlo import HloComputation, HloModule
+from hlo_tools.ir.printer import instruction_line
 
 # HloModuleProto / HloComputationProto / HloInstructionProto fields used here.
 _MODULE_COMPUTATIONS = 3
@@ -160,16 +161,16 @@ def _rewrite_instruction(data: bytes, start: int, end: int, ident: int | None, i
 
 
 def _applicable(module: HloModule) -> bool:
-    if module._dirty or module._header_stale or module._source is None:
+    if module.computations_edited or module.header_edited or module.source_text is None:
         return False
     entry = module.entry
-    if entry is None or not entry.parsed or entry._head_span is None or entry.root._shape_set:
+    if entry is None or not entry.parsed or entry.head_source_span is None or entry.root.shape_was_set:
         return False
-    return all(comp is entry or (not comp._dirty and comp._span is not None) for comp in module.computations)
+    return all(comp is entry or (not comp.edited and comp.source_span is not None) for comp in module.computations)
 
 
 def _operands_only(instr) -> bool:
-    return instr._span is None and instr._edited_operands_only
+    return instr.source_span is None and instr.edited_operands_only
 
 
 def patched_module_proto(original: bytes, module: HloModule, text_to_proto) -> bytes | None:
@@ -179,7 +180,7 @@ def patched_module_proto(original: bytes, module: HloModule, text_to_proto) -> b
     if not _applicable(module):
         return None
     entry = module.entry
-    regenerated = [i for i in entry.instructions if i._span is None and not _operands_only(i)]
+    regenerated = [i for i in entry.instructions if i.source_span is None and not _operands_only(i)]
     if any(instr.opcode == "parameter" for instr in regenerated):
         return None  # the small module's parameters stand in for other instructions
     callees = _callees(regenerated)
@@ -213,7 +214,7 @@ def patched_module_proto(original: bytes, module: HloModule, text_to_proto) -> b
         if field.number == _COMPUTATION_INSTRUCTIONS:
             name, ident = _instruction_summary(original, field.value_start, field.end)
             originals[name] = (ident, field.value_start, field.end)
-    if any(instr._span is not None and instr.name not in originals for instr in entry.instructions):
+    if any(instr.source_span is not None and instr.name not in originals for instr in entry.instructions):
         return None
 
     new_ids = {name: ident for name, (ident, _, _) in originals.items()}
@@ -279,8 +280,6 @@ def _small_module_proto(module: HloModule, regenerated: list, callees: list, tex
 
     Returns (proto bytes, instr -> (start, end) of its message, ("i"|"c", small id) -> name).
     """
-    from hlo_tools.ir.printer import _Style, _instruction_text
-
     chosen = set(regenerated)
     used = []
     for instr in regenerated:
@@ -288,20 +287,20 @@ def _small_module_proto(module: HloModule, regenerated: list, callees: list, tex
             if op not in chosen and op not in used:
                 used.append(op)
     order = [c for c in module.computations if c in callees]
-    style = _Style(module, regenerate=False)
-    source = module._source
+    source = module.source_text
     lines = [f"HloModule {_SMALL_ENTRY}", "", module.stack_frames_text] if module.stack_frames_text else \
         [f"HloModule {_SMALL_ENTRY}"]
     for comp in order:
         lines.append("")
-        lines.append(source[comp._span[0]:comp._span[1]])
+        start, end = comp.source_span
+        lines.append(source[start:end])
     lines += ["", f"ENTRY %{_SMALL_ENTRY} {{"]
     sigil = "%" if module.sigils else ""
     for number, op in enumerate(used):
         lines.append(f"  {sigil}{op.name} = {op.shape.to_text()} parameter({number})")
     root = module.entry.root
     for instr in regenerated:
-        lines.append("  " + _instruction_text(instr, style))  # with `ROOT` when it is the root
+        lines.append("  " + instruction_line(instr))  # with `ROOT` when it is the root
     if root not in chosen:
         lines.append(f"  ROOT {sigil}{_SMALL_ENTRY}.root = () tuple()")
     lines += ["}", ""]

@@ -1253,7 +1253,7 @@ def unwritten_gather_warnings(printed: str, num_devices: int, name: str) -> list
     if num_devices != 1 or "all-gather" not in printed:
         return []
     import hlo_tools  # noqa: PLC0415
-    from hlo_tools.ir.shape_inference import attr_ints  # noqa: PLC0415
+    from hlo_tools.ir.attributes import attr_ints  # noqa: PLC0415
 
     try:
         module = hlo_tools.parse_module(printed)

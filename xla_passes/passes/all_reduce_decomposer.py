@@ -50,7 +50,7 @@ import numpy as np
 
 from hlo_tools import HloInstruction, HloModule, Literal, PaddingConfig, ReplicaGroups, Shape, SliceSpec
 from hlo_tools.ir.shape import COMPLEX_DTYPES
-from hlo_tools.ir.shape_inference import attr_bool, attr_int
+from hlo_tools.ir.attributes import attr_bool, attr_int
 
 from ..collectives import (combinable_computations, flat_buffer, flat_vector, reducer_opcode, result_shapes,
                            split_flat_buffer)

@@ -42,7 +42,7 @@ import dataclasses
 from hlo_tools import HloComputation, HloInstruction, HloModule, Literal, Shape
 from hlo_tools.ir.attributes import Sharding
 from hlo_tools.ir.shape import FLOAT_DTYPES, INTEGRAL_DTYPES, SIGNED_DTYPES, DTYPE_BITS
-from hlo_tools.ir.shape_inference import attr_bool
+from hlo_tools.ir.attributes import attr_bool
 
 from ..collectives import combinable_computations, leaf_shardings, reducer_opcode, replace_with_elements, result_shapes
 from ..core import HloPass, register_pass
