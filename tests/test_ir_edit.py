@@ -208,17 +208,3 @@ def test_attribute_readers_take_typed_values_and_raw_text():
     with pytest.raises(ShapeInferenceError, match="attribute dimensions must be an integer list"):
         infer_shape("reverse", [Shape.array("f32", (2,))], {"dimensions": Raw("{x}")})
 
-
-@pytest.mark.parametrize("operand, result, expected", [
-    ("f32[1,64,32]{2,1,0}", "f32[64,32]{1,0}", True),
-    ("f32[3,3,16,16]{3,2,1,0}", "f32[2304]{0}", True),
-    ("f32[64,1,32]{2,0,1}", "f32[64,32]{1,0}", True),      # a size-1 dimension goes anywhere
-    ("f32[64,32]{0,1}", "f32[2048]{0}", False),            # column-major: the flattening moves elements
-    ("f32[64,32]{1,0}", "f32[32,64]{0,1}", False),
-    ("f32[64,32]{1,0}", "s32[64,32]{1,0}", False),
-    ("f32[64,32]{1,0:T(8,128)}", "f32[2048]{0}", False),    # tiled: not only an order
-])
-def test_reshape_is_bitcast_only_where_no_element_moves_in_memory(operand, result, expected):
-    module = hlo_tools.parse_module(f"HloModule m\nENTRY e {{\n  p = {operand} parameter(0)\n"
-                                    f"  ROOT r = {result} reshape(p)\n}}\n")
-    assert module.entry.root.operands[0].shape.reshape_is_bitcast(module.entry.root.shape) is expected

@@ -55,7 +55,7 @@ from .configuration import (ALL_PLATFORMS, CHECK_VARIABLE, DUMP_VARIABLE, POST_S
                             STRICT_VARIABLE, ConfigurationError, Settings, check_requested, configured_settings)
 from .core import PassError
 from .passes.call_inliner import wrap_in_fusions
-from .pipeline import Pipeline
+from .pipeline import Pipeline, computations_run_on_their_own
 from .replica_groups import inferred_device_counts
 
 logger = logging.getLogger("xla_passes")
@@ -301,16 +301,8 @@ def rewrite_module(module_proto: bytes, settings: Settings, platform: str = "cpu
 def _wrap_in_fusions(_pass_name: str, module) -> None:
     """After XLA's scheduling nothing fuses what the passes added: XLA:CPU (jaxlib 0.11+) runs
     elementwise and reduction instructions only inside fusions, so each goes in a kLoop fusion of
-    its own, in every computation that runs on its own (the entry, while, conditional and call
-    bodies; not fusion bodies or reducers)."""
-    stack, seen = [module.entry], set()
-    while stack:
-        comp = stack.pop()
-        if comp in seen or not comp.parsed:   # a body left unread is XLA's own, already fused
-            continue
-        seen.add(comp)
-        stack.extend(callee for instr in comp.instructions if instr.opcode in ("while", "conditional", "call")
-                     for callee in instr.called_computations)
+    its own, in every computation that runs on its own."""
+    for comp in computations_run_on_their_own(module):
         wrap_in_fusions(comp)
 
 

@@ -81,7 +81,10 @@ class Pipeline:
         pipeline goes on; default: the error is raised.
       layouts_final: the module comes after XLA's layout assignment (JAX's pass hook), so the
         layouts of new collectives are what XLA runs: a pass that leaves a gather or scatter
-        along a dimension its layout does not make most major fails (`layout_problem`).
+        along a dimension its layout does not make most major fails (`layout_problem`); and
+        a reshape a pass leaves that moves no element becomes a `bitcast`, as XLA's simplifier
+        makes them once layouts are set (none runs after the hook; XLA:CPU would run the
+        reshape as a fusion that copies the whole array).
       after_pass: called as `after_pass(pass_name, module)` after every pass that changed the
         module (`xla-opt --report --topology` prices each step there).
     """
@@ -138,6 +141,7 @@ class Pipeline:
                 _verify_after(hlo_pass, module, full=self.verify == FULL)
             if changed and module.layouts_final:
                 _check_collective_layouts(hlo_pass, module)
+                _bitcasts_for_reshapes(module)
         except BaseException as exc:
             restore(module, snapshot)
             if isinstance(exc, PassError):
@@ -333,3 +337,31 @@ class _PipelineParser:
             options[key.strip()] = value.strip()
         self.pos = end + 1
         return options
+
+
+def computations_run_on_their_own(module: HloModule):
+    """The computations of `module` that run as a sequence of their own: the entry and the bodies
+    of its while, conditional and call instructions, transitively (not fusion bodies or reducers).
+    A body left unread (`lazy_bodies`) is XLA's own, which no pass changed, and is left out."""
+    stack, seen = [module.entry], set()
+    while stack:
+        comp = stack.pop()
+        if comp in seen or not comp.parsed:
+            continue
+        seen.add(comp)
+        yield comp
+        stack.extend(callee for instr in comp.instructions if instr.opcode in ("while", "conditional", "call")
+                     for callee in instr.called_computations)
+
+
+def _bitcasts_for_reshapes(module: HloModule) -> None:
+    """Every reshape outside fusions that moves no element in memory becomes a `bitcast`."""
+    for comp in computations_run_on_their_own(module):
+        for instr in list(comp.instructions):
+            if (instr.opcode == "reshape" and instr.operands[0].shape.reshape_is_bitcast(instr.shape)
+                    and not instr.control_predecessors and not instr.control_successors):
+                attrs = {key: value for key, value in instr.attrs.items() if key == "metadata"}
+                bitcast = comp.add_instruction("bitcast", instr.operands, instr.shape, before=instr, attrs=attrs)
+                instr.replace_all_uses_with(bitcast)
+                comp.remove_instruction(instr)
+                bitcast.rename(instr.name)

@@ -155,6 +155,22 @@ class Shape:
             s = s.tuple_shapes[i]
         return s
 
+    def reshape_is_bitcast(self, result: "Shape") -> bool:
+        """Whether reshaping this array to `result` moves no element in memory (XLA's
+        `ShapeUtil::ReshapeIsBitcast`, for the layouts passes meet): both layouts list the
+        dimensions of size above one from major to minor in order (an absent layout is XLA's
+        default), with nothing but the order in them (no tiling or memory space)."""
+        def row_major(shape: "Shape") -> bool:
+            if shape.layout is None:
+                return True
+            if shape.layout.extra:
+                return False
+            order = [d for d in reversed(shape.layout.minor_to_major) if shape.dims[d] != 1]
+            return order == sorted(order)
+        return (self.is_array and result.is_array and self.dtype == result.dtype
+                and self.element_count == result.element_count and not self.is_dynamic
+                and not result.is_dynamic and row_major(self) and row_major(result))
+
     # -- derived shapes -----------------------------------------------------------------------
     def with_dims(self, dims, keep_layout: bool = True) -> "Shape":
         """Same dtype with new dims; the layout is kept when its rank still fits, else dropped."""
