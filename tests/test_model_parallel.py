@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 import hlo_tools
-from xla_passes.replica_groups import written_groups
+from xla_passes.analysis.replica_groups import written_groups
 
 jax = pytest.importorskip("jax")
 pytest.importorskip("flax")

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import hlo_tools
 import xla_passes.jax
 from xla_passes.configuration import ConfigurationError, settings_from_environment
-from xla_passes.replica_groups import DeviceCounts, inferred_device_counts
+from xla_passes.analysis.replica_groups import DeviceCounts, inferred_device_counts
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "translation_validation_worker.py")

@@ -22,8 +22,9 @@ import os
 import sys
 from collections.abc import Mapping
 
-from .core import PassError, registered_passes
+from .core import PassError
 from .pipeline import abbreviated, parse_pipeline
+from .registry import registered_passes
 
 PRE_SCHEDULER = "pre_scheduler"
 POST_SCHEDULER = "post_scheduler"

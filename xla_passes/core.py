@@ -1,4 +1,4 @@
-"""The pass API: `HloPass`, typed options, the registry, and `PassError`.
+"""The pass API: `HloPass`, typed options, `register_pass`, and `PassError`.
 
 A pass is a dataclass whose fields are its options::
 
@@ -13,7 +13,8 @@ A pass is a dataclass whose fields are its options::
             ...   # edit the module in place; return whether anything changed
 
 `register_pass` makes the class a dataclass and files it under `name`, so that
-pipelines written as text (`"my-pass{threshold_bytes=1024},dce"`) can build it.
+pipelines written as text (`"my-pass{threshold_bytes=1024},dce"`) can build it
+(`xla_passes.registry` looks passes up; this module imports no pass).
 """
 from __future__ import annotations
 
@@ -168,18 +169,10 @@ def register_pass(cls: type[HloPass]) -> type[HloPass]:
     return cls
 
 
-def registered_passes() -> dict[str, type[HloPass]]:
-    """Every registered pass by name (the built-in passes load on first use)."""
-    from . import passes  # noqa: F401, PLC0415 - registers the built-in passes
-    return dict(sorted(_REGISTRY.items()))
-
-
-def pass_class(name: str) -> type[HloPass]:
-    """The pass registered as `name`; PassError listing the valid names otherwise."""
-    passes = registered_passes()
-    if name not in passes:
-        raise PassError(f"unknown pass {name!r} (valid passes: {', '.join(passes)})")
-    return passes[name]
+def passes_registered_so_far() -> dict[str, type[HloPass]]:
+    """The passes registered until now by name (the built-in ones once their modules were
+    imported: `xla_passes.registry.registered_passes` imports them first)."""
+    return dict(_REGISTRY)
 
 
 def restore(module: HloModule, text: str) -> None:

@@ -50,13 +50,13 @@ from hlo_tools.ir.errors import one_line
 from hlo_tools.garbage_collection import garbage_collection_paused
 
 from . import validation
-from .collectives import apply_platform_thresholds
+from .analysis.collectives import apply_platform_thresholds
+from .analysis.replica_groups import inferred_device_counts
 from .configuration import (ALL_PLATFORMS, CHECK_VARIABLE, DUMP_VARIABLE, POST_SCHEDULER, PRE_SCHEDULER,
                             STRICT_VARIABLE, ConfigurationError, Settings, check_requested, configured_settings)
 from .core import PassError
-from .passes.call_inliner import wrap_in_fusions
 from .pipeline import Pipeline, computations_run_on_their_own
-from .replica_groups import inferred_device_counts
+from .rewrites.inlining import wrap_in_fusions
 
 logger = logging.getLogger("xla_passes")
 

@@ -25,9 +25,10 @@ from hlo_tools import HloModule
 from hlo_tools.xla.dump import module_file_name, sanitize_file_name, write_new, write_numbered
 from hlo_tools.ir.verifier import verify_edits, verify_module
 
-from .collectives import DIMENSIONED_COLLECTIVES, layout_problem
-from .core import HloPass, PassError, pass_class, restore
-from .replica_groups import inferred_device_counts
+from .analysis.collectives import DIMENSIONED_COLLECTIVES, layout_problem
+from .analysis.replica_groups import inferred_device_counts
+from .core import HloPass, PassError, restore
+from .registry import pass_class
 
 FIXED_POINT = "fixed-point"
 # How deep fixed-point groups may nest in pipeline text (deeper text is refused, not recursed into).

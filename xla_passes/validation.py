@@ -29,7 +29,7 @@ import numpy as np
 
 from hlo_tools import HloModule
 
-from .replica_groups import DeviceCounts
+from .analysis.replica_groups import DeviceCounts
 
 # An element matches when it is within either bound of the original's (float noise of a
 # reduction done in another order; integers and predicates must be equal).

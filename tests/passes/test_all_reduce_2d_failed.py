@@ -20,8 +20,8 @@ import xla_passes
 from hlo_tools.xla import runner
 from hlo_tools.inspection.topology import Topology
 from pass_testing import reducer
-from xla_passes.core import PassError
-from xla_passes.passes.all_reduce_2d_fault_tolerant import ReductionTree, TreeSchedule
+from xla_passes import PassError
+from xla_passes.rewrites.reduction_tree import ReductionTree, TreeSchedule
 
 FLOAT_BOUND = 1e-5
 
@@ -181,6 +181,30 @@ def test_partition_program_sums_and_multiplies_as_before():
     inputs = [rng.standard_normal((5 * devices, 3)).astype(np.float32),
               rng.uniform(0.5, 1.5, 6 * devices).astype(np.float32)]
     outputs, references = run_both(module.to_text(), text, inputs)
+    assert_same_results(outputs, references, exact=())
+
+
+@pytest.mark.parametrize("use_global_device_ids", [", use_global_device_ids=true", ""])
+def test_replica_program_with_a_channel(use_global_device_ids):
+    """With one partition the global device ids of a channel all-reduce are replica ids: the
+    tree's permutes go without a channel_id, over replica-id, as all-reduce-rings' do (one shared
+    check, `xla_passes.analysis.topology_fit`; before it, the tree refused such an all-reduce)."""
+    options = "mesh=4x4,failed=1:2"
+    devices = machine_of(options).num_devices
+    group = "{{" + ",".join(map(str, range(devices))) + "}}"
+    text = f"""HloModule channel_sums, replica_count={devices}, num_partitions=1
+{REDUCERS}
+ENTRY main {{
+  p = f32[5,3] parameter(0)
+  ROOT ar = f32[5,3] all-reduce(p), channel_id=1, replica_groups={group}{use_global_device_ids}, to_apply=add
+}}
+"""
+    module, report = rewrite(text, options)
+    assert len(report) == 1 and "tree of depth" in report[0], report
+    assert_neighbour_permutes_only(module, machine_of(options))
+    assert all("channel_id" not in i.attrs for i in module.instructions() if i.opcode == "collective-permute")
+    assert any(i.opcode == "replica-id" for i in module.instructions())
+    outputs, references = run_both(module.to_text(), text, normal_inputs([(5, 3)], devices))
     assert_same_results(outputs, references, exact=())
 
 

@@ -16,8 +16,8 @@ import xla_passes.jax
 from hlo_tools.xla import xla_bridge
 from pass_testing import (normal_inputs, per_device_input_shapes, per_device_program, replica_input_shapes,
                           replica_program, run_and_compare, shard_map_step_outputs)
-from xla_passes.replica_groups import (DeviceCounts, GroupMode, group_mode, mesh_rows_and_columns, parse_mesh,
-                                       participant_groups)
+from xla_passes.analysis.replica_groups import (DeviceCounts, GroupMode, group_mode, mesh_rows_and_columns,
+                                                parse_mesh, participant_groups)
 
 ALL = "{{0,1,2,3,4,5,6,7}}"
 HALVES = "{{0,1,2,3},{4,5,6,7}}"

@@ -19,7 +19,7 @@ import hlo_tools
 import xla_passes
 from hlo_tools.xla import xla_bridge
 from pass_testing import run_and_compare
-from xla_passes import collectives
+from xla_passes.analysis import collectives, reachability
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter")
@@ -221,7 +221,7 @@ ENTRY main {
 }
 """)
     comp = module.entry
-    tracker = collectives.DependencyTracker(comp)
+    tracker = reachability.DependencyTracker(comp)
     tracker.add_source(comp.get("a"))
     assert [i.name for i in comp.instructions if tracker.depends_on_sources(i)] == ["b", "c", "t"]
 

@@ -27,7 +27,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import hlo_tools
-from xla_passes.replica_groups import written_groups
+from xla_passes.analysis.replica_groups import written_groups
 import xla_passes
 import xla_passes.jax
 from hlo_tools.xla import runner, xla_bridge

@@ -24,7 +24,7 @@ all-gather within rows puts the shards back together. Flattening, padding (to a 
 and tuple all-reduces work as in `all-reduce-decomposer`, which also lists the all-reduces left
 alone (async forms, control dependencies, ...).
 
-The new groups are derived from the participants (see `xla_passes.replica_groups`):
+The new groups are derived from the participants (see `xla_passes.analysis.replica_groups`):
   * no channel_id (replica programs): groups of replica ids, and the new collectives have no
     channel_id either; empty `replica_groups={}` means all `replica_count` replicas;
   * channel_id with use_global_device_ids=true: groups of global device ids, kept so;
@@ -40,7 +40,7 @@ The physical form, `all-reduce-2d{mesh=RxC,failed=r:c;r:c}` or `all-reduce-2d{to
 (wrap-around links; `failed=` optional): the machine has failed chips, and the all-reduce, over
 one group of all its healthy chips (device i is the i-th healthy chip row-major), becomes a
 pipelined reduce-and-broadcast on a spanning tree of physical links, `collective-permute`s
-between neighbours only (`all_reduce_2d_fault_tolerant` has the algorithm and its cost). What
+between neighbours only (`xla_passes.rewrites.reduction_tree` has the algorithm and its cost). What
 it leaves alone, and why, is in the pass's report (`xla-opt --report`); with `strict=true` that
 is an error naming the all-reduce. Healthy chips that the failed ones cut apart have no route.
 """
@@ -49,10 +49,13 @@ from __future__ import annotations
 from hlo_tools import HloModule, ReplicaGroups
 from hlo_tools.inspection.topology import Topology
 
+from ..analysis.replica_groups import (DeviceCounts, GroupMode, group_mode, mesh_rows_and_columns, parse_mesh,
+                                      participant_groups)
+from ..analysis.topology_fit import REPLICAS, all_reduce_misfit, permute_space
 from ..core import HloPass, register_pass
-from ..replica_groups import DeviceCounts, GroupMode, group_mode, mesh_rows_and_columns, parse_mesh, participant_groups
-from .all_reduce_2d_fault_tolerant import ReductionTree, TreeAllReduceBuilder, misfit
-from .all_reduce_decomposer import Addressing, ChannelIds, decomposable_all_reduces, replace_by_shard_reduction
+from ..rewrites.all_reduce import Addressing, decomposable_all_reduces, replace_by_shard_reduction
+from ..rewrites.channel_ids import ChannelIds
+from ..rewrites.reduction_tree import ReductionTree, TreeAllReduceBuilder
 
 
 @register_pass
@@ -119,14 +122,15 @@ class AllReduce2D(HloPass):
         channel_ids = ChannelIds(module)
         changed = False
         for all_reduce in decomposable_all_reduces(module, self.min_bytes):
-            problem = self._unroutable or misfit(all_reduce, self._machine, counts)
+            problem = self._unroutable or all_reduce_misfit(all_reduce, self._machine, counts)
             if problem:
                 if self.strict:
                     raise self.fail(problem, all_reduce)
                 self.report.append(f"%{all_reduce.name} left alone: {problem}")
                 continue
             name, tree = all_reduce.name, self._tree
-            schedule = TreeAllReduceBuilder(all_reduce, tree, channel_ids).replace()
+            by_replica = permute_space(all_reduce, counts) == REPLICAS
+            schedule = TreeAllReduceBuilder(all_reduce, tree, channel_ids, by_replica=by_replica).replace()
             root = "{}:{}".format(*self._machine.coordinate(tree.root))
             self.report.append(
                 f"%{name}: tree of depth {tree.height} rooted at chip {root} (device {tree.root}), "

@@ -61,8 +61,8 @@ from collections.abc import Sequence
 from hlo_tools import HloInstruction, HloModule
 from hlo_tools.ir.shape import DTYPE_BITS, FLOAT_DTYPES
 
-from ..collectives import (CombinerScope, collective_key, combine_all_reduces_flat, combine_collectives,
-                           combiner_thresholds, in_shardy_body, run_combiner)
+from ..analysis.collectives import (CombinerScope, collective_key, combine_all_reduces_flat, combine_collectives,
+                                    combiner_thresholds, in_shardy_body, run_combiner)
 from ..core import HloPass, register_pass
 
 

@@ -56,10 +56,12 @@ alone.
 
 Rewritten: synchronous all-reduces (as `all-reduce-decomposer` takes them) of at least
 `min_bytes` whose reducer is one elementwise add, multiply, maximum, minimum, and, or or xor
-and whose participants are one group of exactly the topology's devices (`{}` where the header
-gives the count). Anything else is left unchanged, or with `strict=true` is an error naming the
-all-reduce and why. Numerics: integer results are exact; float sums are added in ring order
-instead of XLA's, so they differ by reassociation only (bit-exact on integer-valued inputs).
+(not a sum or product of pred) and whose participants are one group of exactly the topology's
+devices (`{}` where the header gives the count): `xla_passes.analysis.topology_fit`, which the
+tree of `all-reduce-2d{failed=...}` shares. Anything else is left unchanged, or with
+`strict=true` is an error naming the all-reduce and why. Numerics: integer results are exact;
+float sums are added in ring order instead of XLA's, so they differ by reassociation only
+(bit-exact on integer-valued inputs).
 """
 from __future__ import annotations
 
@@ -68,17 +70,14 @@ from math import gcd
 from hlo_tools import HloInstruction, HloModule
 from hlo_tools.inspection.topology import Coordinate, Topology
 
-from ..collectives import ORDER_FREE_REDUCERS, reducer_opcode
+from ..analysis.replica_groups import DeviceCounts
+from ..analysis.topology_fit import REPLICAS, all_reduce_misfit, permute_space
 from ..core import HloPass, register_pass
-from ..replica_groups import DeviceCounts, GroupMode, group_mode, participant_groups
-from .all_reduce_decomposer import AllReduceReplacementBuilder, ChannelIds, decomposable_all_reduces
+from ..rewrites.all_reduce import AllReduceReplacementBuilder, decomposable_all_reduces
+from ..rewrites.channel_ids import ChannelIds
 
 # Devices in ring order: ring[i] sends to ring[(i + 1) % len(ring)].
 Ring = tuple[int, ...]
-
-# What the ring's collective-permutes pair (see `permute_space`).
-REPLICAS, PARTITIONS = "replicas", "partitions"
-
 
 # -- rings over disjoint links ---------------------------------------------------------------------------
 
@@ -212,7 +211,7 @@ class AllReduceRings(HloPass):
         channel_ids = ChannelIds(module)
         changed = False
         for all_reduce in decomposable_all_reduces(module, self.min_bytes):
-            problem = self._misfit(all_reduce, counts)
+            problem = all_reduce_misfit(all_reduce, self._machine, counts)
             if problem:
                 if self.strict:
                     raise self.fail(problem, all_reduce)
@@ -220,45 +219,6 @@ class AllReduceRings(HloPass):
             RingBuilder(all_reduce, self._rings, permute_space(all_reduce, counts), channel_ids).replace()
             changed = True
         return changed
-
-    def _misfit(self, all_reduce: HloInstruction, counts: DeviceCounts) -> str:
-        """Why `all_reduce` cannot run on the rings ("" when it can)."""
-        reducer = reducer_opcode(all_reduce.attrs["to_apply"])
-        if reducer not in ORDER_FREE_REDUCERS:
-            return f"the reducer is not one elementwise {', '.join(ORDER_FREE_REDUCERS)}"
-        groups = participant_groups(all_reduce, counts)
-        if groups is None:
-            return ("the participants are not known: empty replica_groups, or a channel_id without "
-                    "use_global_device_ids, need replica_count/num_partitions in the module header")
-        devices = self._machine.num_devices
-        if len(groups) != 1 or sorted(groups[0]) != list(range(devices)):
-            sizes = "/".join(str(size) for size in sorted({len(group) for group in groups}))
-            found = f"{len(groups)} group{'' if len(groups) == 1 else 's'} of {sizes} devices"
-            return f"the groups, {found}, are not one group of the {devices} devices of {self._machine}"
-        space = permute_space(all_reduce, counts)
-        if space is None:
-            return (f"a collective-permute pairs replicas or partitions, and the module has {counts.replicas} "
-                    f"replicas of {counts.partitions or 'an unstated number of'} partitions")
-        stated = counts.replicas if space == REPLICAS else counts.partitions
-        if stated is not None and stated != devices:
-            return f"the module runs on {stated} {space}, {self._machine} has {devices} devices"
-        return ""
-
-
-def permute_space(all_reduce: HloInstruction, counts: DeviceCounts) -> str | None:
-    """What the ring's permutes pair: REPLICAS (no channel_id: XLA's cross-replica permute, each
-    partition on its own) or PARTITIONS (a channel_id: cross-partition, each replica on its own);
-    None when the all-reduce's devices differ in both (several replicas and partitions).
-
-    A cross-replica all-reduce reduces among replicas. Otherwise its participants are global
-    device ids, replica * partitions + partition: replica ids with one partition, partition ids
-    with one replica (a module that states no replica count has one, as every JAX program does).
-    """
-    if group_mode(all_reduce) is GroupMode.CROSS_REPLICA or counts.partitions == 1:
-        return REPLICAS
-    if (counts.replicas or 1) == 1:
-        return PARTITIONS
-    return None
 
 
 class RingBuilder(AllReduceReplacementBuilder):

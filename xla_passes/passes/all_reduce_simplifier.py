@@ -1,10 +1,10 @@
 """`all-reduce-simplifier`: remove all-reduces of values already the same on every device.
 
 As XLA's AllReduceSimplifier: when the operand of an all-reduce is the same on every device of
-each of its groups (`xla_passes.replication_analysis`), the reduction needs no communication. A
-sum over groups of k devices is the value times k (in the element type, so integers wrap as the
-sum would); a min, max, and or or is the value itself; a mean (the sum divided by k, or times
-1/k) is the value::
+each of its groups (`xla_passes.analysis.replication_analysis`), the reduction needs no
+communication. A sum over groups of k devices is the value times k (in the element type, so
+integers wrap as the sum would); a min, max, and or or is the value itself; a mean (the sum
+divided by k, or times 1/k) is the value::
 
     g = f32[128] all-reduce(x), replica_groups={{0,1,2,3}}, to_apply=add     (x: a local gradient)
     s = f32[128] all-reduce(g), replica_groups={{0,1,2,3}}, to_apply=add     (g: the same everywhere)
@@ -44,10 +44,12 @@ from hlo_tools.ir.attributes import Sharding
 from hlo_tools.ir.shape import FLOAT_DTYPES, INTEGRAL_DTYPES, SIGNED_DTYPES, DTYPE_BITS
 from hlo_tools.ir.attributes import attr_bool
 
-from ..collectives import combinable_computations, leaf_shardings, reducer_opcode, replace_with_elements, result_shapes
+from ..analysis.collectives import (combinable_computations, leaf_shardings, reducer_opcode, replace_with_elements,
+                                   result_shapes)
+from ..analysis.constants import scalar_constant
+from ..analysis.replica_groups import uniform_group_size
+from ..analysis.replication_analysis import ReplicationAnalysis, participants
 from ..core import HloPass, register_pass
-from ..replica_groups import uniform_group_size
-from ..replication_analysis import ReplicationAnalysis, participants
 
 # Reducers whose result over equal values is that value.
 _IDEMPOTENT_REDUCERS = frozenset({"minimum", "maximum", "and", "or"})
@@ -244,20 +246,11 @@ def _fold_means(product: HloInstruction, value: HloInstruction, group_size: int)
         if user.control_successors or user.operand_count != 2:
             continue
         other = user.operand(1) if user.operand(0) is product else user.operand(0)
-        if ((user.opcode == "divide" and user.operand(0) is product and _constant_value(other) == group_size)
-                or (user.opcode == "multiply" and other is not product and _constant_value(other) == 1 / group_size)):
+        if ((user.opcode == "divide" and user.operand(0) is product and scalar_constant(other) == group_size)
+                or (user.opcode == "multiply" and other is not product and scalar_constant(other) == 1 / group_size)):
             user.replace_all_uses_with(value)
             _remove_unused(user)
     _remove_unused(product)
-
-
-def _constant_value(instr: HloInstruction) -> float | None:
-    """The value of a scalar constant, or of a broadcast of one; None for anything else."""
-    if instr.opcode == "broadcast":
-        instr = instr.operand(0)
-    if instr.opcode != "constant" or instr.shape.rank != 0:
-        return None
-    return float(instr.literal.to_numpy())
 
 
 def _remove_unused(instr: HloInstruction) -> None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from hlo_tools import HloModule
 
-from ..collectives import combiner_scope
+from ..analysis.collectives import combiner_scope
 from ..core import HloPass, register_pass
 from .all_gather_combiner import AllGatherCombiner
 from .all_reduce_combiner import AllReduceCombiner

@@ -10,19 +10,15 @@ its CPU runtime abort on duplicate buffers)::
     a = f32[8] multiply(p, p)                 a = f32[8] multiply(p, p)
     b = f32[8] multiply(p, p)         =>      ROOT r = f32[8] add(a, a)
     ROOT r = f32[8] add(a, b)
+
+The rewrite of one computation is `xla_passes.rewrites.cse.eliminate_common_subexpressions`.
 """
 from __future__ import annotations
 
-from hlo_tools import HloComputation, HloModule
-from hlo_tools.ir.opcodes import has_side_effect
-from hlo_tools.ir.printer import format_value
+from hlo_tools import HloModule
 
 from ..core import HloPass, register_pass
-
-_NEVER_MERGED = frozenset({"parameter", "copy", "copy-start", "copy-done"})
-
-# Attributes that describe where an instruction came from, not what it computes.
-_IGNORED_ATTRS = frozenset({"metadata"})
+from ..rewrites.cse import eliminate_common_subexpressions
 
 
 @register_pass
@@ -36,33 +32,3 @@ class CommonSubexpressionElimination(HloPass):
         for comp in module.computations:
             changed |= eliminate_common_subexpressions(comp)
         return changed
-
-
-def eliminate_common_subexpressions(comp: HloComputation, merged: dict | None = None) -> bool:
-    """Merge the instructions of `comp` that compute the same value; whether any were. `merged`,
-    if given, gets each removed instruction's replacement."""
-    controlled = {p for instr in comp.instructions for p in instr.control_predecessors}
-    seen = {}
-    duplicates = []
-    for instr in comp.post_order():
-        if (instr.opcode in _NEVER_MERGED or has_side_effect(instr) or instr.control_predecessors
-                or instr in controlled):
-            continue
-        key = _identity(instr)
-        first = seen.setdefault(key, instr)
-        if first is not instr:
-            instr.replace_all_uses_with(first)
-            duplicates.append(instr)
-            if merged is not None:
-                merged[instr] = first
-    for instr in duplicates:
-        comp.remove_instruction(instr)
-    return bool(duplicates)
-
-
-def _identity(instr) -> tuple:
-    """What makes two instructions interchangeable (operands by identity, so post order matters)."""
-    attrs = tuple(sorted((key, format_value(key, value)) for key, value in instr.attrs.items()
-                         if key not in _IGNORED_ATTRS))
-    literal = str(instr.literal) if instr.literal is not None else None
-    return (instr.opcode, str(instr.shape), tuple(id(o) for o in instr.operands), literal, attrs)

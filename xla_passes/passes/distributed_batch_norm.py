@@ -86,16 +86,16 @@ from hlo_tools import HloComputation, HloInstruction, HloModule, Literal, Replic
 from hlo_tools.ir.opcodes import ELEMENTWISE
 from hlo_tools.ir.shape import FLOAT_DTYPES
 
-from ..collectives import reducer_opcode
+from ..analysis.collectives import reducer_opcode
+from ..analysis.constants import UNIT_SHAPE_OPS, folded_scalar_constant
+from ..analysis.replication_analysis import SDY_SHARDING_VALUE, parse_sdy_meshes
 from ..core import HloPass, register_pass, restore
-from ..replication_analysis import SDY_SHARDING_VALUE, parse_sdy_meshes
-from .all_reduce_decomposer import ChannelIds
-from .call_inliner import inline_fusions, wrap_in_fusions
-from .cse import eliminate_common_subexpressions
+from ..rewrites.channel_ids import ChannelIds
+from ..rewrites.cse import eliminate_common_subexpressions
+from ..rewrites.inlining import inline_fusions, wrap_in_fusions
 
 OPAQUE = -1  # a per-example value whose batch dimension the analysis cannot name
 WHOLE = -2   # one example per device: the value is that example's, wherever its unit batch dimension went
-_UNIT_SHAPE_OPS = frozenset({"reshape", "bitcast"})
 
 
 class Refusal(Exception):
@@ -487,7 +487,7 @@ class DistributedBatchNorm(HloPass):
             reducer = instr.attrs.get("to_apply")
             if (instr.opcode != "reduce" or instr.shape.is_tuple or instr.shape.dtype not in FLOAT_DTYPES
                     or not isinstance(reducer, HloComputation) or reducer_opcode(reducer) != "add"
-                    or _constant_value(instr.operand(1)) != 0.0):
+                    or folded_scalar_constant(instr.operand(1)) != 0.0):
                 raise Refusal(f"%{instr.name} ({instr.opcode}) sums over the batch and flows back into the "
                               f"examples, but is not a floating-point sum: not a statistic the pass can group")
             sources[instr] = math.prod(instr.operand(0).shape.dims[d] for d in instr.attrs.get("dimensions", ()))
@@ -627,7 +627,7 @@ class DistributedBatchNorm(HloPass):
         if reduce.shape.dtype not in FLOAT_DTYPES:
             self.report.append(f"{name}: kept: not floating point")
             return None
-        if _constant_value(reduce.operand(1)) != 0.0:
+        if folded_scalar_constant(reduce.operand(1)) != 0.0:
             self.report.append(f"{name}: kept: its init is not zero")
             return None
         count = math.prod(operand.shape.dims[d] for d in dims)
@@ -985,7 +985,7 @@ class _BatchDims:
         if op == "broadcast":
             b = ins[0]
             return instr.attrs["dimensions"][b] if isinstance(b, int) and b >= 0 else OPAQUE
-        if op in _UNIT_SHAPE_OPS:
+        if op in UNIT_SHAPE_OPS:
             return _reshaped(ins[0], instr.operand(0).shape.dims, instr.shape.dims, self.batch_size)
         if op == "transpose":
             b = ins[0]
@@ -1272,7 +1272,7 @@ def _coordinate_dimension(indices: HloInstruction, component: int, vector_dim: i
     row's example number (an iota over the batch, concatenated with the other components), or None.
     XLA writes batched gathers and scatters, and max pooling's backward pass, this way."""
     chain = [indices]
-    while chain[-1].opcode in _UNIT_SHAPE_OPS:
+    while chain[-1].opcode in UNIT_SHAPE_OPS:
         chain.append(chain[-1].operand(0))
     vectors = chain.pop()
     if vectors.opcode != "concatenate" or vector_dim >= indices.shape.rank:
@@ -1304,7 +1304,7 @@ def _counting_dimension(value: HloInstruction, batch_size) -> int | None:
     dimension of the batch's size, carried through converts, reshapes and pooling windows."""
     if value.opcode in ("convert", "copy"):
         return _counting_dimension(value.operand(0), batch_size)
-    if value.opcode in _UNIT_SHAPE_OPS:
+    if value.opcode in UNIT_SHAPE_OPS:
         inner = _counting_dimension(value.operand(0), batch_size)
         found = None if inner is None else _reshaped(inner, value.operand(0).shape.dims, value.shape.dims, batch_size)
         return None if found in (None, OPAQUE) else found
@@ -1330,9 +1330,9 @@ def _is_unit_reshape(instr: HloInstruction) -> bool:
     if instr.opcode == "reduce" and instr.operand_count == 2 and not instr.shape.is_tuple:
         reducer = instr.attrs.get("to_apply")
         return (isinstance(reducer, HloComputation) and reducer_opcode(reducer) == "add"
-                and _constant_value(instr.operand(1)) == 0.0
+                and folded_scalar_constant(instr.operand(1)) == 0.0
                 and all(instr.operand(0).shape.dims[d] == 1 for d in instr.attrs.get("dimensions", ())))
-    if instr.opcode in _UNIT_SHAPE_OPS:
+    if instr.opcode in UNIT_SHAPE_OPS:
         return ([d for d in instr.shape.dims if d != 1] == [d for d in instr.operand(0).shape.dims if d != 1])
     if instr.opcode == "broadcast":
         return (instr.shape.dims == instr.operand(0).shape.dims
@@ -1351,41 +1351,14 @@ def _through_unit_reshapes(instr: HloInstruction) -> HloInstruction | None:
         instr = user
 
 
-_FOLDED = {"add": np.add, "subtract": np.subtract, "multiply": np.multiply, "divide": np.divide}
-
-
-def _constant_value(instr: HloInstruction, depth: int = 0) -> float | None:
-    """The value of a scalar constant expression (constants, convert, broadcast and reshape of one,
-    + - * / of two: `jnp.var` computes its count as `108 - 0`); None for anything else."""
-    if depth > 8:
-        return None
-    while True:
-        if instr.opcode == "get-tuple-element" and instr.operand(0).opcode == "tuple":
-            instr = instr.operand(0).operand(instr.attrs["index"])
-        elif instr.opcode in ("broadcast", "convert") or instr.opcode in _UNIT_SHAPE_OPS:
-            instr = instr.operand(0)
-        else:
-            break
-    if instr.shape.rank != 0 and math.prod(instr.shape.dims) != 1:
-        return None
-    if instr.opcode == "constant":
-        return float(np.asarray(instr.literal.to_numpy()).reshape(()))
-    if instr.opcode in _FOLDED:
-        a, b = (_constant_value(o, depth + 1) for o in instr.operands)
-        if a is None or b is None or (instr.opcode == "divide" and b == 0):
-            return None
-        return float(_FOLDED[instr.opcode](np.float64(a), np.float64(b)))
-    return None
-
-
 def _divides_by(instr: HloInstruction | None, value: HloInstruction, count: int) -> bool:
     """Whether `instr` is value / count or value * (1/count) (the constant exactly that, in its type)."""
     if instr is None or instr.operand_count != 2 or instr.control_predecessors or instr.control_successors:
         return False
     if instr.opcode == "divide" and instr.operand(0) is value and instr.operand(1) is not value:
-        return _constant_value(instr.operand(1)) == float(count)
+        return folded_scalar_constant(instr.operand(1)) == float(count)
     if instr.opcode == "multiply" and instr.operand(0) is value and instr.operand(1) is not value:
-        c = _constant_value(instr.operand(1))
+        c = folded_scalar_constant(instr.operand(1))
         dtype = np.dtype(np.float32) if instr.shape.dtype == "f32" else np.dtype(np.float64)
         return c is not None and c == float(np.array(1.0, dtype) / np.array(count, dtype))
     return False
@@ -1533,14 +1506,14 @@ def _check_means(comp: HloComputation, info: dict, sources: dict[HloInstruction,
                   if op in ("multiply", "divide") else system.number(0))
                  for k, (d, o) in enumerate(zip(ins, instr.operands))]
         # what is put side by side must agree; a zero is zero in any degree (padding, relu's max)
-        together = [d for d, o in zip(known, instr.operands) if _constant_value(o) != 0.0]
+        together = [d for d, o in zip(known, instr.operands) if folded_scalar_constant(o) != 0.0]
         if op in _PASS_THROUGH:
             if op in ("concatenate", "pad"):
                 for other in together[1:]:
                     system.equal(together[0], other, instr)
             result = known[0]
         elif op in _SAME_DEGREE or op == "select":
-            values = [d for d, o in zip(known, instr.operands) if _constant_value(o) != 0.0
+            values = [d for d, o in zip(known, instr.operands) if folded_scalar_constant(o) != 0.0
                       and (op != "select" or o is not instr.operand(0))]
             for other in values[1:]:
                 system.equal(values[0], other, instr)
@@ -1589,14 +1562,14 @@ def _moving_average_shares(comp: HloComputation, devices: int) -> set[HloInstruc
     """The constants b of moving averages `a * old + b * s` with a + b * devices = 1: XLA folds
     (1 - momentum) into the 1/devices of a pmean, so b is a share per device (degree -1)."""
     def scaled(value: HloInstruction):
-        while value.opcode in _UNIT_SHAPE_OPS:
+        while value.opcode in UNIT_SHAPE_OPS:
             value = value.operand(0)
         if value.opcode != "multiply":
             return []
         found = []
         for k, factor in enumerate(value.operands):
-            c = _constant_value(factor)
-            if c is not None and _constant_value(value.operand(1 - k)) is None:
+            c = folded_scalar_constant(factor)
+            if c is not None and folded_scalar_constant(value.operand(1 - k)) is None:
                 found.append((factor, c))
         return found
 
@@ -1625,7 +1598,7 @@ class _DegreeSystem:
         """0 for a number; an unknown for a factor that may be m/count or m/count² (XLA folds
         `(s/n)²` into `s*s * (1/n²)`), or a divisor that may be m·count or m·count² (TF divides by
         the count), m a small integer, count one of `counts`: it may take 0 or those degrees."""
-        value = _constant_value(instr)
+        value = folded_scalar_constant(instr)
         degrees = {0}
         for power, count in itertools.product((1, 2) if divisor else (-1, -2), counts):
             m = value / float(count) ** power if value else 0.0
@@ -1757,7 +1730,7 @@ def _is_value_of(instr: HloInstruction, fusion: HloInstruction) -> bool:
     fusions bitcast a reduction's result)."""
     root = fusion.attrs["calls"].root
     while instr is not root:
-        if len(instr.users) != 1 or instr.users[0].opcode not in _UNIT_SHAPE_OPS:
+        if len(instr.users) != 1 or instr.users[0].opcode not in UNIT_SHAPE_OPS:
             return False
         instr = instr.users[0]
     return True

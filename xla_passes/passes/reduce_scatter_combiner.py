@@ -25,8 +25,8 @@ from functools import partial
 
 from hlo_tools import HloModule
 
-from ..collectives import (CombinerScope, combine_along_most_frequent_dimension, combiner_thresholds,
-                           run_combiner, tuple_combinable_key)
+from ..analysis.collectives import (CombinerScope, combine_along_most_frequent_dimension, combiner_thresholds,
+                                    run_combiner, tuple_combinable_key)
 from ..core import HloPass, register_pass
 
 

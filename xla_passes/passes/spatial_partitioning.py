@@ -48,13 +48,14 @@ from hlo_tools.ir.attributes import FrontendAttributes, Sharding
 from hlo_tools.ir.opcodes import ELEMENTWISE
 from hlo_tools.ir.shape import FLOAT_DTYPES
 
-from ..collectives import reducer_opcode
+from ..analysis.collectives import reducer_opcode
+from ..analysis.reachability import reachable_from
 from ..core import HloPass, register_pass
+from ..rewrites.inlining import inline_calls
 from ..spatial.builder import SlabBuilder
 from ..spatial.layout import REPLICATED, Layout, Mesh, Split, local_dims, slab_rows, split_of
 from ..spatial.windows import (RowRange, aligned_output_rows, needed_rows, plan_row_fetch, plan_select_and_scatter,
                                plan_window, scatter_row_ranges, window_row_range)
-from .call_inliner import CallInliner
 
 logger = logging.getLogger("xla_passes")
 
@@ -110,7 +111,7 @@ class SpatialPartitioning(HloPass):
         self.report = []
         if module.num_partitions > 1 or module.replica_count > 1:
             raise self.fail("expects a single-device module (no num_partitions or replica_count)")
-        CallInliner().run(module)
+        inline_calls(module)
         _fold_tuple_lookups(module.entry)
         _fold_padded_select_and_scatter(module.entry)
         folds, refused_pads = _fold_pads_into_convolutions(module.entry)
@@ -195,7 +196,7 @@ class _Partitioner:
         self.splits = splits
         old_root = self.comp.root
         order = self.comp.post_order()
-        self.from_inputs = _reachable_from([self.comp.parameter(n) for n in splits], order)
+        self.from_inputs = reachable_from([self.comp.parameter(n) for n in splits], order)
         for instr in order:
             if instr is not old_root or instr.opcode != "tuple":
                 self.values[instr] = self.visit(instr)
@@ -1065,15 +1066,6 @@ def _local_window_dimension(wd, plan):
     if isinstance(plan, _Unaligned):
         return dataclasses.replace(wd, padding_low=0, padding_high=0, base_dilation=1)
     return dataclasses.replace(wd, padding_low=plan.padding_low, padding_high=plan.padding_high)
-
-
-def _reachable_from(sources, order) -> set:
-    """The instructions (of `order`, operands first) that depend on any of `sources`."""
-    found = set(sources)
-    for instr in order:
-        if any(o in found for o in instr.operands):
-            found.add(instr)
-    return found
 
 
 def _next_convolution(conv: HloInstruction, from_inputs: set) -> HloInstruction | None:

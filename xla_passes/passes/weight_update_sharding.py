@@ -63,10 +63,11 @@ from hlo_tools.ir.opcodes import ELEMENTWISE, has_side_effect
 from hlo_tools.ir.shape import FLOAT_DTYPES
 from hlo_tools.ir.shape_inference import infer_shape
 
-from ..collectives import reducer_opcode, slices_are_contiguous
+from ..analysis.collectives import reducer_opcode, slices_are_contiguous
+from ..analysis.replica_groups import DeviceCounts
+from ..analysis.replication_analysis import (SDY_SHARDING_VALUE, REPLICA_IDS, ReplicationAnalysis, parse_sdy_meshes,
+                                            participants)
 from ..core import HloPass, register_pass
-from ..replica_groups import DeviceCounts
-from ..replication_analysis import SDY_SHARDING_VALUE, REPLICA_IDS, ReplicationAnalysis, parse_sdy_meshes, participants
 
 logger = logging.getLogger("xla_passes")
 

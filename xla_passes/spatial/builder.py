@@ -13,7 +13,7 @@ from hlo_tools import HloComputation, HloInstruction, HloModule, Shape
 from hlo_tools.ir.attributes import PaddingConfig, ReplicaGroups, SliceSpec
 from hlo_tools.ir.literal import Literal, numpy_dtype
 
-from ..passes.all_reduce_decomposer import ChannelIds
+from ..rewrites.channel_ids import ChannelIds
 from .layout import Layout, Mesh, Split
 
 

@@ -73,10 +73,11 @@ all-reduce is K = 3 chunks of 1 element, 4 rounds)::
     ...
     ROOT ar.reduced = f32[3]{0} select(ar.is-root.result, ar.root-result, ar.device-result)
 
-Addressing: in a replica program (no channel_id) the permutes have no channel_id and pair
-replica ids, as XLA's cross-replica collective-permute does; with a channel_id they get fresh
-channel ids and pair partition ids (XLA's cross-partition collective-permute), which are the
-all-reduce's global device ids only when there is one replica.
+Addressing (`xla_passes.analysis.topology_fit.permute_space`): in a replica program (no
+channel_id), or a channel all-reduce of a module with one partition, the permutes have no
+channel_id and pair replica ids, as XLA's cross-replica collective-permute does; otherwise
+they get fresh channel ids and pair partition ids (XLA's cross-partition collective-permute),
+which are the all-reduce's global device ids only when there is one replica.
 
 Numerics: the reducer is applied along the tree instead of in XLA's order, so integer results
 and min/max are exact, and float sums and products differ by reassociation only (the tests'
@@ -90,9 +91,9 @@ from collections import deque
 from hlo_tools import HloInstruction, Literal, Shape
 from hlo_tools.inspection.topology import Topology
 
-from ..collectives import ORDER_FREE_REDUCERS, flat_vector, reducer_opcode
-from ..replica_groups import DeviceCounts, GroupMode, group_mode, participant_groups
-from .all_reduce_decomposer import AllReduceReplacementBuilder, ChannelIds
+from ..analysis.collectives import flat_vector
+from .all_reduce import AllReduceReplacementBuilder
+from .channel_ids import ChannelIds
 
 Pairs = tuple[tuple[int, int], ...]
 
@@ -201,38 +202,14 @@ class TreeSchedule:
         return found
 
 
-def misfit(all_reduce: HloInstruction, topology: Topology, counts: DeviceCounts) -> str:
-    """Why `all_reduce` cannot be rewritten onto `topology`'s healthy chips ("" when it can)."""
-    reducer = reducer_opcode(all_reduce.attrs["to_apply"])
-    if reducer not in ORDER_FREE_REDUCERS:
-        return f"the reducer is not one elementwise {', '.join(ORDER_FREE_REDUCERS)}"
-    if reducer in ("add", "multiply") and all_reduce.operand(0).shape.dtype == "pred":
-        return f"a {reducer} of pred (XLA backends disagree on what it is)"
-    groups = participant_groups(all_reduce, counts)
-    if groups is None:
-        return ("the participants are not known: empty replica_groups, or a channel_id without "
-                "use_global_device_ids, need replica_count/num_partitions in the module header")
-    devices = topology.num_devices
-    if len(groups) != 1 or sorted(groups[0]) != list(range(devices)):
-        sizes = ", ".join(str(len(group)) for group in groups)
-        return (f"the groups ({len(groups)} of {sizes} devices) are not one group of the {devices} "
-                f"healthy chips of {topology.describe()}")
-    cross_replica = group_mode(all_reduce) is GroupMode.CROSS_REPLICA
-    if not cross_replica and (counts.replicas or 1) > 1:
-        return f"collective-permute with a channel_id pairs partitions, and the module has {counts.replicas} replicas"
-    stated = counts.replicas if cross_replica else counts.partitions
-    if stated is not None and stated != devices:
-        kind = "replicas" if cross_replica else "partitions"
-        return f"the module runs on {stated} {kind}, {topology.describe()} has {devices} healthy chips"
-    return ""
-
-
 class TreeAllReduceBuilder(AllReduceReplacementBuilder):
     """Builds the tree form of one all-reduce next to it and puts it in the all-reduce's place
-    (permutes over replica ids for a cross-replica all-reduce, else over partition ids)."""
+    (permutes over replica ids with `by_replica`, over partition ids without; unset: replica
+    ids for a cross-replica all-reduce, else partition ids)."""
 
-    def __init__(self, all_reduce: HloInstruction, tree: ReductionTree, channel_ids: ChannelIds):
-        super().__init__(all_reduce, channel_ids)
+    def __init__(self, all_reduce: HloInstruction, tree: ReductionTree, channel_ids: ChannelIds, *,
+                 by_replica: bool | None = None):
+        super().__init__(all_reduce, channel_ids, by_replica=by_replica)
         self.tree = tree
 
     def replace(self) -> TreeSchedule:

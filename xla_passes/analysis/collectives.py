@@ -11,8 +11,8 @@ built from three pieces, each usable on its own:
   instruction is in (XLA combines only within one);
 * grouping: `combine_by_key` is XLA's `CombineInstructionsByKey`: walk a computation in post
   order and collect instructions of one key into a group until a size or count threshold is
-  reached, skipping those that depend on the group (`DependencyTracker`), which a later group
-  takes;
+  reached, skipping those that depend on the group (`reachability.DependencyTracker`), which a
+  later group takes;
 * rewriting: `combine_collectives` replaces a group by one collective whose operands are all
   of the group's operands, and every member by the matching `get-tuple-element`s of it
   (`replace_with_elements`); `combine_all_reduces_flat` does it for all-reduces with one flat
@@ -33,11 +33,13 @@ from collections import Counter
 from typing import Callable, Hashable, Iterable, Sequence
 
 from hlo_tools import HloComputation, HloInstruction, HloModule, SliceSpec
-from hlo_tools.ir.attributes import AttrError, FrontendAttributes, Metadata, Raw, Sharding, split_top_level
+from hlo_tools.ir.attributes import (AttrError, FrontendAttributes, Metadata, Raw, Sharding, attr_bool, attr_ints,
+                                     split_top_level)
 from hlo_tools.ir.opcodes import async_wrapped_opcode
 from hlo_tools.ir.printer import format_value
 from hlo_tools.ir.shape import Layout, Shape
-from hlo_tools.ir.attributes import attr_bool, attr_ints
+
+from .reachability import DependencyTracker
 
 # Binary opcodes whose operands may be swapped: `add(b, a)` reduces exactly like `add(a, b)`.
 COMMUTATIVE_OPCODES = frozenset({"add", "multiply", "maximum", "minimum", "and", "or", "xor"})
@@ -224,31 +226,6 @@ def apply_platform_thresholds(passes: Iterable, platform: str) -> None:
 
 
 # -- grouping ------------------------------------------------------------------------------------------
-
-class DependencyTracker:
-    """Which instructions of one computation depend on any of a growing set of sources.
-
-    Dependencies follow operands and control predecessors, transitively. Adding a source
-    marks everything downstream of it once, so a whole group costs one walk of the
-    computation (control edges come from the IR's index, `HloInstruction.control_successors`).
-    """
-
-    def __init__(self, comp: HloComputation):
-        self.computation = comp
-        self._downstream: set[HloInstruction] = set()
-
-    def add_source(self, source: HloInstruction) -> None:
-        stack = [source]
-        while stack:
-            instr = stack.pop()
-            for nxt in (*instr.users, *instr.control_successors):
-                if nxt not in self._downstream:
-                    self._downstream.add(nxt)
-                    stack.append(nxt)
-
-    def depends_on_sources(self, instr: HloInstruction) -> bool:
-        return instr in self._downstream
-
 
 def combine_by_key(comp: HloComputation, key_of: Callable[[HloInstruction], Hashable | None],
                    combine: Callable[[list[HloInstruction]], object], *, threshold_bytes: int,

@@ -1,0 +1,12 @@
+"""Analyses the passes share: questions about a module that change nothing in it.
+
+- `collectives`: when two collectives do the same communication (keys), in which groups and
+  scopes they may be combined, and the combining itself that the combiners share;
+- `replica_groups`: which devices a collective's `replica_groups` name (`DeviceCounts`,
+  `participant_groups`, `inferred_device_counts`);
+- `replication_analysis`: which values are the same on every device of a group;
+- `reachability`: what depends on what (`DependencyTracker`, `reachable_from`);
+- `constants`: the value of a constant operand (`scalar_constant`, `folded_scalar_constant`);
+- `topology_fit`: whether an all-reduce can be rewritten onto a topology's devices
+  (`all_reduce_misfit`, `permute_space`).
+"""
