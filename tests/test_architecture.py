@@ -294,3 +294,13 @@ def test_no_command_module_imported_from_outside_the_cli():
     for name, expected in KNOWN_CLI_IMPORTS.items():
         assert found.pop(name, set()) == expected, f"{name} no longer imports just {sorted(expected)}: update KNOWN_CLI_IMPORTS"
     assert not found, f"modules outside hlo_tools.cli that import its command modules: {found}"
+
+
+def test_every_package_is_installed():
+    """pyproject.toml lists the packages setuptools installs: every package of the two is there."""
+    import tomllib
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
+    _, modules = import_graph()
+    packages = {name for name in modules if _is_package(name, modules)}
+    assert packages == listed, f"not installed: {sorted(packages - listed)}; not packages: {sorted(listed - packages)}"

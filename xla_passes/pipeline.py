@@ -28,6 +28,7 @@ from hlo_tools.ir.verifier import verify_edits, verify_module
 from .analysis.collectives import DIMENSIONED_COLLECTIVES, layout_problem
 from .analysis.replica_groups import inferred_device_counts
 from .core import HloPass, PassError, restore
+from .rewrites.inlining import inline_calls
 from .registry import pass_class
 
 FIXED_POINT = "fixed-point"
@@ -83,9 +84,9 @@ class Pipeline:
       layouts_final: the module comes after XLA's layout assignment (JAX's pass hook), so the
         layouts of new collectives are what XLA runs: a pass that leaves a gather or scatter
         along a dimension its layout does not make most major fails (`layout_problem`); and
-        a reshape a pass leaves that moves no element becomes a `bitcast`, as XLA's simplifier
-        makes them once layouts are set (none runs after the hook; XLA:CPU would run the
-        reshape as a fusion that copies the whole array).
+        in a module XLA has fused, a reshape a pass leaves that moves no element becomes a
+        `bitcast`, as XLA's simplifier makes them once layouts are set (none runs after the
+        hook; XLA:CPU would run the reshape as a fusion that copies the whole array).
       after_pass: called as `after_pass(pass_name, module)` after every pass that changed the
         module (`xla-opt --report --topology` prices each step there).
     """
@@ -137,7 +138,10 @@ class Pipeline:
         snapshot = module.to_text()
         start = time.perf_counter()
         try:
+            inlined = hlo_pass.sees_into_calls and inline_calls(module)
             changed = bool(hlo_pass.run(module))
+            if inlined and not changed:
+                restore(module, snapshot)   # the calls back as they were: the module is unchanged
             if changed and self.verify:
                 _verify_after(hlo_pass, module, full=self.verify == FULL)
             if changed and module.layouts_final:
@@ -356,7 +360,12 @@ def computations_run_on_their_own(module: HloModule):
 
 
 def _bitcasts_for_reshapes(module: HloModule) -> None:
-    """Every reshape outside fusions that moves no element in memory becomes a `bitcast`."""
+    """Every reshape outside fusions that moves no element in memory becomes a `bitcast`, in a
+    module XLA has fused (what its hook hands over): XLA runs no simplifier after that point. A
+    module with final layouts but no fusion yet is compiled from the start (a hand-written
+    one run offline), where XLA's layout assignment would not take a bitcast."""
+    if not any(instr.opcode == "fusion" for instr in module.entry.instructions):
+        return
     for comp in computations_run_on_their_own(module):
         for instr in list(comp.instructions):
             if (instr.opcode == "reshape" and instr.operands[0].shape.reshape_is_bitcast(instr.shape)
