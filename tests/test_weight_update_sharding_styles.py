@@ -18,7 +18,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import xla_passes.jax
 
 OPTIMIZERS = {"sgd": lambda: optax.sgd(0.1), "momentum": lambda: optax.sgd(0.1, momentum=0.9),
-              "adam": lambda: optax.adam(1e-3), "adamw": lambda: optax.adamw(1e-3)}
+              "adam": lambda: optax.adam(1e-3), "adamw": lambda: optax.adamw(1e-3),
+              # Per-tensor norms (LAMB's trust ratios through calls of jnp.linalg.norm) and a global one.
+              "lamb": lambda: optax.lamb(1e-3),
+              "clip_adamw": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))}
 SHAPES = {"w1": (32, 256), "b1": (256,), "w2": (256, 16)}
 
 
@@ -78,13 +81,14 @@ def test_every_weight_is_sharded_and_the_numbers_are_equal(name, style, caplog):
     assert all(f"params['{k}']" in " ".join(sharded) for k in SHAPES)  # the report names each weight
 
 
-@pytest.mark.parametrize("name", ["momentum", "adam"])
+@pytest.mark.parametrize("name", ["momentum", "adam", "lamb", "lars", "clip_adamw"])
 def test_jax_pmap_with_replicated_parameters(name, caplog):
     """`jax.pmap` hands each device `[1, ...]` parameters: XLA's update fusion reshapes the state
-    to the gradient's shape and back, which the pass moves out of the fusion. Nothing in a pmap
-    module says the parameters are equal on every device: `assume_replicated_parameters=true`."""
+    to the gradient's shape and back, which the pass moves out of the fusion (also out of the
+    fusion after a norm's, which adds LAMB's and LARS's scaled update to the weight). Nothing in a
+    pmap module says the parameters are equal on every device: `assume_replicated_parameters=true`."""
     caplog.set_level("INFO", logger="xla_passes")
-    optimizer = OPTIMIZERS[name]()
+    optimizer = optax.lars(1e-3) if name == "lars" else OPTIMIZERS[name]()
 
     def step(params, state, x, y):
         grads = jax.lax.pmean(jax.grad(_loss)(params, x, y), "i")

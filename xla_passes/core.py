@@ -64,6 +64,9 @@ class HloPass:
     # program or a new program signature (the hook's modules are already per device, with a
     # signature JAX has fixed); the plugin then refuses the pipeline once, when it is switched on.
     runs_at_jax_hook: ClassVar[bool] = True
+    # Whether the pass reasons about what plain `call`s compute (`jnp.linalg.norm` lowers to one):
+    # the pipeline inlines them first, and takes the inlining back when the pass changes nothing.
+    sees_into_calls: ClassVar[bool] = False
 
     def run(self, module: HloModule) -> bool:
         """Rewrite `module` in place; return whether it changed."""

@@ -207,19 +207,27 @@ def test_default_threshold_keeps_small_weights_replicated():
 
 
 @pytest.mark.parametrize("optimizer", ["lamb", "lars"])
-def test_trust_ratios_after_call_inliner(optimizer):
+def test_trust_ratios_in_calls(optimizer):
     """LAMB's and LARS's per-tensor norms sit in called computations (jnp.linalg.norm): the pass
-    keeps those weights and says why; inlined, the norms of update values become partial sums
-    and an all-reduce of them."""
+    inlines plain calls first, so the norms of update values become partial sums and an
+    all-reduce of them, with no call-inliner in the pipeline."""
     text = _lowered_text(*_shard_map_step(getattr(optax, optimizer)(1e-3)))
     before = hlo_tools.parse_module(text)
-    kept = _run_pass(hlo_tools.parse_module(text)).report
-    assert sum("(call); run call-inliner first" in r.reason for r in kept) == 3
-    module = run_and_compare(text, f"call-inliner,{ALL_SIZES}", exact=False, inputs=_spmd_inputs(before), **BOUNDS)
+    assert any(i.opcode == "call" and not i.attrs["to_apply"].name.startswith("xla.sdy")
+               for c in before.computations for i in c.instructions)
+    module = run_and_compare(text, ALL_SIZES, exact=False, inputs=_spmd_inputs(before), **BOUNDS)
     body = _shard_map_body(module)
     assert _opcodes(body).count("reduce-scatter") == REDUCE_SCATTERED
     partial_sums = [i for i in body.instructions if i.opcode == "all-reduce" and i.name.endswith(".sum")]
     assert partial_sums and all(i.shape.rank == 0 and i.operand(0).opcode == "reduce" for i in partial_sums)
+
+
+def test_calls_come_back_when_the_pass_changes_nothing():
+    """The inlining is part of the pass: a module it leaves unchanged keeps its calls."""
+    text = _lowered_text(*_shard_map_step(optax.lamb(1e-3)))
+    module = hlo_tools.parse_module(text)
+    assert not xla_passes.run_passes(module, f"{PASS}{{threshold_bytes=1000000000}}")
+    assert module.to_text() == hlo_tools.parse_module(text).to_text()
 
 
 @pytest.mark.parametrize("program", ["shard_map_mlp", "flax_cnn_adam"])
@@ -586,7 +594,7 @@ KEPT = {
     "tiny": "tiny: 64 bytes is below threshold_bytes=256",
     "not_replicated": "%w1 combines %g with %w, which is not known to be the same on every device of the group",
     "no_update": "no update: the gradient is not combined with weights or optimizer state",
-    "lamb_norm_in_call": "non-elementwise use: %u is used by %unorm (call); run call-inliner first",
+    "norm_in_composite": "non-elementwise use: %u is used by %unorm (call); a call the pass does not inline",
     "per_row_norm": "non-elementwise use: %squares is used by %rows (reduce)",
     "new_weight_read_again": "non-elementwise use: %w1 is used by %prediction (dot)",
     "unknown_devices": "the module does not say which devices take part in it",

@@ -117,6 +117,7 @@ class WeightUpdateSharding(HloPass):
 
     name = "weight-update-sharding"
     opcodes = {"all-reduce"}
+    sees_into_calls = True   # LARS and LAMB norms are calls (`jnp.linalg.norm`)
     threshold_bytes: int = 1024               # gradients smaller than this stay replicated
     assume_replicated_parameters: bool = False  # pmap-style programs: parameters hold equal copies
     persistent: bool = False                  # keep optimizer state sharded between steps
@@ -335,8 +336,7 @@ class _ComputationSharder:
         for leaf in self._gradient_leaves():
             if leaf.shape.byte_size < self.options.threshold_bytes or not _is_gradient_shape(leaf.shape):
                 continue
-            for fusion in {user for value in leaf.values for user in value.users if user.opcode == "fusion"}:
-                hoisted |= _lift_reshapes(self.module, fusion, leaf.shape.dims)
+            hoisted |= self._lift_update_reshapes(leaf)
             users = [user for value in leaf.values for user in value.users]
             keys = {_reordering_in_fusion(user, value) for value in leaf.values for user in value.users}
             if not users or len(keys) != 1 or None in keys or any(v.is_root for v in leaf.values):
@@ -344,6 +344,24 @@ class _ComputationSharder:
             _hoist_reordering(self.module, leaf, keys.pop())
             hoisted = True
         return hoisted
+
+    def _lift_update_reshapes(self, leaf: "_Leaf") -> bool:
+        """`_lift_reshapes` in every fusion that the update reaches from `leaf` through values at
+        its shape: the gradient's own users, and the fusions after them (LAMB's trust ratio
+        scales the update in one fusion, and a second adds it to the `[1, ...]` weight of a
+        pmap step, bitcasting on the way in and out)."""
+        dims = leaf.shape.dims
+        lifted, seen, work = False, set(), list(leaf.values)
+        while work:
+            for user in work.pop().users:
+                if user in seen:
+                    continue
+                seen.add(user)
+                if user.opcode == "fusion":
+                    lifted |= _lift_reshapes(self.module, user, dims)
+                if user.shape.is_array and user.shape.dims == dims and _elementwise_like(user, dims):
+                    work.append(user)
+        return lifted
 
     def _gradient_leaves(self) -> list[_Leaf]:
         """Every used leaf of every sum all-reduce (a combined one used other than through
@@ -1257,7 +1275,7 @@ def _use_reason(member: HloInstruction, user: HloInstruction, differing: HloInst
                    "value (size = stride, no dilation, padded from its reducer's identity to whole windows) and "
                    "reduces with its reducer, from the identity, sum all of its results and are their only uses")
     if user.opcode == "call":
-        reason += "; run call-inliner first so that the pass sees inside it"
+        reason += "; a call the pass does not inline (a Shardy body, a composite, or one with control dependencies)"
     return reason
 
 
