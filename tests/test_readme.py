@@ -21,13 +21,32 @@ def test_readme_has_main_job_and_test_commands():
     assert len(commands) == 2
     assert all("\n" not in command for command in commands)
     main_job, tests = commands
-    assert main_job == ("python3 -m venv .venv && .venv/bin/pip install -e . "
+    assert main_job == ("python3 -m venv .venv && .venv/bin/pip install -e '.[demo]' "
                         "&& .venv/bin/python -m xla_passes.demo")
     assert tests.endswith(".venv/bin/python -m pytest -q")
 
 
-def test_plain_install_brings_what_the_main_job_imports():
-    """`pip install -e .` (no extras) brings every package the demo and its model import."""
+def _requirement_names(requirements) -> set[str]:
+    return {re.split(r"[<>=!~\[ ;]", requirement, maxsplit=1)[0].lower() for requirement in requirements}
+
+
+def _project() -> dict:
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["project"]
+
+
+def test_library_depends_on_jax_numpy_and_absl_alone():
+    """The installed package needs jax, jaxlib, numpy, ml-dtypes and absl-py; flax and optax are
+    the `demo` extra's (the model zoo and the demo), which the `test` extra includes."""
+    project = _project()
+    assert _requirement_names(project["dependencies"]) == {"jax", "jaxlib", "numpy", "ml-dtypes", "absl-py"}
+    extras = project["optional-dependencies"]
+    assert _requirement_names(extras["demo"]) == {"flax", "optax"}
+    assert _requirement_names(extras["demo"]) <= _requirement_names(extras["test"])
+
+
+def test_demo_install_brings_what_the_main_job_imports():
+    """`pip install -e '.[demo]'` brings every package the demo and its model import."""
     imported = set()
     for path in ["xla_passes/demo.py", "xla_passes/training.py"]:
         for node in ast.walk(ast.parse((ROOT / path).read_text(encoding="utf-8"))):
@@ -39,9 +58,8 @@ def test_plain_install_brings_what_the_main_job_imports():
     assert {"flax", "optax", "jax"} <= third_party
     providers = importlib.metadata.packages_distributions()
     needed = {distribution.lower() for module in third_party for distribution in providers[module]}
-    with open(ROOT / "pyproject.toml", "rb") as f:
-        dependencies = tomllib.load(f)["project"]["dependencies"]
-    declared = {re.split(r"[<>=!~\[ ;]", requirement, maxsplit=1)[0].lower() for requirement in dependencies}
+    project = _project()
+    declared = _requirement_names(project["dependencies"] + project["optional-dependencies"]["demo"])
     assert needed <= declared
 
 

@@ -63,7 +63,13 @@ from hlo_tools import cli
 from hlo_tools.inspection import report
 from hlo_tools.xla import runner, xla_bridge
 from hlo_tools.inspection.stats import module_stats, xla_cost
-from xla_passes import training
+
+try:
+    from xla_passes import training
+except ImportError as missing:  # flax/optax: the demo extra; as a command, one line and exit status 1
+    if __name__ == "__main__":
+        sys.exit(f"python -m xla_passes.demo: error: {missing}")
+    raise
 
 PROG = "python -m xla_passes.demo"
 PLAIN = "plain"

@@ -17,12 +17,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
+
+try:  # the zoo's own dependencies, which the `demo` extra installs
+    import flax.linen as nn
+    import optax
+except ImportError as missing:
+    if (missing.name or "").partition(".")[0] not in ("flax", "optax"):
+        raise
+    raise ImportError(f"{__name__} needs flax and optax, which the demo extra installs: "
+                      "pip install 'xla-passes[demo]' (from a checkout: pip install -e '.[demo]')") from None
 
 
 class BottleneckBlock(nn.Module):
