@@ -55,3 +55,30 @@ def run_keras_tf_child(script: str, target: pathlib.Path, *args: str, timeout: i
                           capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(pathlib.Path(target).read_text(encoding="utf-8"))
+
+
+def alive_in_session(sid: int) -> list[int]:
+    """The processes of session `sid` that have not ended (a zombie has), from /proc: a command
+    started with `start_new_session=True` leads session `proc.pid`, and so does all it starts."""
+    alive = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":
+                alive.append(int(entry))
+    return alive
+
+
+def kill_session(proc: subprocess.Popen) -> None:
+    """Kill what is left of the process group of `proc`, started with `start_new_session=True`."""
+    import signal  # noqa: PLC0415
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()

@@ -13,7 +13,7 @@ import pytest
 import hlo_tools
 from hlo_tools import cli
 from hlo_tools.xla import xla_bridge
-from support import run_hlo_tools as run
+from support import REPO_ROOT, kill_session, run_hlo_tools as run
 
 # Irregular spacing and a comment-free blank line: the faithful print must keep them.
 MODULE = """HloModule cli_test, entry_computation_layout={(f32[4]{0})->f32[4]{0}}
@@ -266,3 +266,104 @@ def test_a_byte_order_mark_is_dropped(tmp_path):
     path.write_bytes(b"\xef\xbb\xbf" + MODULE.encode())
     assert cli.read_text(str(path)) == MODULE
     assert hlo_tools.parse_module("\ufeff" + MODULE).name == "cli_test"
+
+
+# --- Every size a user can type, refused in bounded memory (issue 24) ---------------------------
+
+ADD = "add {\n  a = f32[] parameter(0)\n  b = f32[] parameter(1)\n  ROOT c = f32[] add(a, b)\n}\n"
+SIZE_MODULES = {
+    "single.hlo": "HloModule single\n\nENTRY main {\n  p = f32[8,3] parameter(0)\n"
+                  "  ROOT n = f32[8,3] negate(p)\n}\n",
+    # verify takes it (XLA multiplies the dimensions out to 0), numpy makes no array of it
+    "empty.hlo": "HloModule empty\n\nENTRY main {\n  p = f32[0,9223372036854775807] parameter(0)\n"
+                 "  ROOT n = f32[0,9223372036854775807] negate(p)\n}\n",
+    "huge.hlo": "HloModule huge\n\nENTRY main {\n  p = f32[4294967296,4294967296] parameter(0)\n"
+                "  ROOT n = f32[4294967296,4294967296] negate(p)\n}\n",
+    "sum16.hlo": f"HloModule sum16, replica_count=16\n\n{ADD}\nENTRY main {{\n  p = f32[1024] parameter(0)\n"
+                 "  ROOT r = f32[1024] all-reduce(p), replica_groups={}, to_apply=add\n}\n",
+}
+INFLATED_BYTES = 1_100_000_000  # more than the address space the commands get
+
+
+def _write_inflating_npz(path) -> None:
+    """An honest .npz of a few MB whose arg1 inflates to INFLATED_BYTES (written in chunks)."""
+    import zipfile
+
+    import numpy as np
+
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as archive:
+        archive.writestr("arg0.npy", _npy(np.zeros((8, 3), np.float32)))
+        with archive.open("arg1.npy", "w") as f:
+            header = io.BytesIO()
+            np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False,
+                                                          "shape": (INFLATED_BYTES // 4,)})
+            f.write(header.getvalue())
+            chunk = bytes(1 << 24)
+            for start in range(0, INFLATED_BYTES, len(chunk)):
+                f.write(chunk[:INFLATED_BYTES - start])
+
+
+def _npy(array) -> bytes:
+    import numpy as np
+
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()
+
+
+# (command line, what the one error line says); hlo-tools, or xla-opt where the first word says so.
+SIZE_CASES = [
+    (["run", "empty.hlo"], r"empty\.hlo: parameter 0 \(f32\[0,9223372036854775807\]\) cannot be a numpy array"),
+    (["run", "empty.hlo", "--in_process"], r"parameter 0 \(f32\[0,9223372036854775807\]\) cannot be a numpy array"),
+    (["run", "single.hlo", "--inputs", "inflating.npz"],
+     r"single\.hlo takes 1 parameter, but 2 input arrays were given"),
+    (["cost", "huge.hlo", "--topology", "ring:1", "--no_xla"],
+     r"huge\.hlo:4: p: shape f32\[4294967296,4294967296\] takes 73786976294838206464 bytes, more than int64"),
+    (["stats", "huge.hlo", "--no-compile"], r"huge\.hlo:4: p: shape f32\[4294967296,4294967296\] takes"),
+    (["cost", "sum16.hlo", "--topology", "torus:100000x100000", "--no_xla"],
+     r"topology 'torus:100000x100000' has 10000000000 chips, more than the 16384 a topology may have"),
+    (["cost", "sum16.hlo", "--topology", "ring:99999999999999999999", "--no_xla"],
+     r"'ring:99999999999999999999' has 99999999999999999999 chips"),
+    (["cost", "sum16.hlo", "--topology", "torus:4x4", "--no_xla", "--json", "--link_latency", "inf"],
+     r"--link_latency must be 0 or a number from 1e-30 to 1e\+30, not inf"),
+    (["cost", "sum16.hlo", "--topology", "torus:4x4", "--no_xla", "--json", "--link_latency", "1e308"],
+     r"--link_latency must be 0 or a number from 1e-30 to 1e\+30, not 1e\+308"),
+    (["cost", "sum16.hlo", "--topology", "torus:4x4", "--no_xla", "--link_bandwidth", "1e-320"],
+     r"--link_bandwidth must be a number from 1e-30 to 1e\+30, not 9\.99989e-321"),
+    (["xla-opt", "sum16.hlo", "--passes", "all-reduce-rings{rings=2,topology=ring:100000000000}"],
+     r"ring:100000000000' has 100000000000 chips, more than the 16384"),
+    (["xla-opt", "sum16.hlo", "--passes", "all-reduce-2d{torus=100000x100000}"],
+     r"torus:100000x100000' has 10000000000 chips"),
+]
+SIZE_DEADLINE_S = 10
+ADDRESS_SPACE = 1 << 30
+
+
+# The limit is set between fork and exec (preexec_fn), where JAX, if a test imported it, warns of threads.
+@pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
+@pytest.mark.parametrize("argv,message", SIZE_CASES, ids=[" ".join(argv) for argv, _ in SIZE_CASES])
+def test_every_size_a_user_can_type_is_refused_in_bounded_memory(tmp_path, argv, message):
+    """Under a 1 GB address space, within 10 s: exactly one error line, no traceback."""
+    import resource
+
+    for name, text in SIZE_MODULES.items():
+        (tmp_path / name).write_text(text)
+    if "inflating.npz" in argv:
+        _write_inflating_npz(tmp_path / "inflating.npz")
+
+    def limit_memory():
+        resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, ADDRESS_SPACE))
+
+    prog, module = ("xla_passes.opt", argv[1:]) if argv[0] == "xla-opt" else ("hlo_tools", argv)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen([sys.executable, "-m", prog, *module], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=limit_memory, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=SIZE_DEADLINE_S)
+    finally:
+        kill_session(proc)
+    name = "xla-opt" if argv[0] == "xla-opt" else "hlo-tools"
+    assert proc.returncode != 0
+    assert re.fullmatch(rf"{name}: error: [^\n]+\n", err), err[-2000:]
+    assert re.search(message, err), err
+

@@ -376,7 +376,19 @@ def test_cli_device_counts_from_flags(capsys, module_file):
     (["--topology", "torus:4x4", "--failed", "1:2"],
      "the module runs on 16 devices (16 replicas x 1 partition) but the topology has 15 healthy chips"),
     (["--topology", "torus:4x4", "--failed", "9:9"], "failed chip 9:9 is outside torus:4x4 (4x4)"),
-    (["--topology", "ring:16", "--link_bandwidth", "0"], "--link_bandwidth must be a positive number, not 0"),
+    (["--topology", "ring:16", "--link_bandwidth", "0"], "--link_bandwidth must be a number from 1e-30 to 1e+30, not 0"),
+    # issue 24: what JSON cannot hold or a sum cannot reach, chips built before they were counted, digits
+    (["--topology", "ring:16", "--json", "--link_latency", "inf"],
+     "--link_latency must be 0 or a number from 1e-30 to 1e+30, not inf"),
+    (["--topology", "ring:16", "--json", "--link_latency", "1e308"],
+     "--link_latency must be 0 or a number from 1e-30 to 1e+30, not 1e+308"),
+    (["--topology", "ring:16", "--link_bandwidth", "1e-320"],
+     "--link_bandwidth must be a number from 1e-30 to 1e+30, not 9.99989e-321"),
+    (["--topology", "ring:16", "--peak_flops", "nan"], "--peak_flops must be a number from 1e-30 to 1e+30, not nan"),
+    (["--topology", "ring:16000"],  # counted, not built (huge ones: tests/test_cli.py, in bounded memory)
+     "the module runs on 16 devices (16 replicas x 1 partition) but the topology has 16000 healthy chips"),
+    (["--topology", "ring:\u0661\u0666"], "topology 'ring:\u0661\u0666' is not ring:N, torus:RxC or mesh:RxC"),
+    (["--topology", "torus:4x4", "--failed", "\u0661:\u0662"], "failed chip '\u0661:\u0662' is not ROW:COLUMN, e.g. 1:2"),
 ])
 def test_cli_errors_are_one_line(capsys, module_file, argv, message):
     status, out, err = run(capsys, "cost", module_file, "--no_xla", *argv)

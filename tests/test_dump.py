@@ -18,7 +18,7 @@ import pytest
 import hlo_tools
 import real_programs
 from hlo_tools.xla import dump, runner
-from support import REPO_ROOT, read_exact
+from support import REPO_ROOT, alive_in_session, kill_session, read_exact
 
 ERROR_LINE = re.compile(r"hlo-tools: error: [^\n]+\n")
 BEFORE = re.compile(r"module_(\d{4})\.(.+)\.before_optimizations\.txt")
@@ -311,3 +311,82 @@ def test_terminating_a_script_dump_stops_the_script_and_keeps_its_files(tmp_path
     assert not os.path.exists(f"/proc/{script_pid}"), "the script outlived the command"
     # the staging directory is gone; what the script wrote was moved into place
     assert os.listdir(tmp_path / "dumps") == ["module_0000.waiting.before_optimizations.txt"]
+
+
+# Waits to be stopped; SIGTERM does not stop it (SIGINT does, at once), and it runs under a shell
+# that would start more after it: a grandchild of the command.
+TRAPPING_SCRIPT = """import os, signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+signal.signal(signal.SIGINT, signal.SIG_DFL)
+print(os.getpid(), flush=True)
+time.sleep(120)
+"""
+
+
+
+@pytest.mark.parametrize("signals, status, message", [
+    (["SIGTERM", "SIGTERM"], 128 + 15, "terminated by SIGTERM"),  # the second one ends the grace period
+    (["SIGINT"], 1, "interrupted"),                               # to the command alone, not its group
+])
+def test_a_signal_to_a_script_dump_ends_every_process_it_started(tmp_path, signals, status, message):
+    import signal
+    import time
+
+    (tmp_path / "trapping.py").write_text(TRAPPING_SCRIPT)
+    private_tmp = tmp_path / "tmp"
+    private_tmp.mkdir()
+    env = dict(os.environ, TMPDIR=str(private_tmp))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.Popen([sys.executable, "-m", "hlo_tools", "dump", "-o", "dumps", "--", "bash", "-c",
+                             f"{sys.executable} trapping.py; sleep 120"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        int(proc.stdout.readline())  # the script runs
+        start = time.monotonic()
+        for name in signals:
+            proc.send_signal(getattr(signal, name))
+            time.sleep(0.5)
+        _, err = proc.communicate(timeout=30)
+        assert time.monotonic() - start < dump.TERMINATION_GRACE_SECONDS
+        assert (proc.returncode, err) == (status, f"hlo-tools: error: {message}\n")
+        deadline = time.monotonic() + 10
+        while alive_in_session(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive_in_session(proc.pid), "a process the command started outlived it"
+        assert list(private_tmp.iterdir()) == [] and os.listdir(tmp_path / "dumps") == []
+    finally:
+        kill_session(proc)
+
+
+def test_a_held_directory_lock_delays_one_dump_and_then_none(tmp_path, monkeypatch, caplog):
+    """Anyone who can read a dump directory can hold its lock: a writer waits for it a bounded
+    time, warns once, and it and every later one number their files without it (issue 24)."""
+    import fcntl
+    import threading
+    import time
+
+    monkeypatch.setattr(dump, "LOCK_TIMEOUT_SECONDS", 0.5)
+    monkeypatch.setattr(dump, "_held_elsewhere", set())
+    (tmp_path / "module_0000.old.before_optimizations.txt").write_text("not mine\n")
+    holder = os.open(tmp_path, os.O_RDONLY)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    numbers, times = [], []
+
+    def dump_three():
+        for i in range(3):
+            start = time.monotonic()
+            numbers.append(dump.write_numbered(str(tmp_path), 0, "m.after_dce.txt", f"{i}\n"))
+            times.append(time.monotonic() - start)
+
+    try:
+        with caplog.at_level("WARNING", logger="hlo_tools.xla.dump"):
+            writer = threading.Thread(target=dump_three, daemon=True)
+            writer.start()
+            writer.join(timeout=20)
+            assert not writer.is_alive(), "a dump waits for the lock for good"
+    finally:
+        os.close(holder)
+    assert numbers == [1, 2, 3] and times[0] >= 0.5 and max(times[1:]) < 0.5
+    assert [(tmp_path / f"module_000{n}.m.after_dce.txt").read_text() for n in numbers] == ["0\n", "1\n", "2\n"]
+    warnings = [r.getMessage() for r in caplog.records if "lock" in r.getMessage()]
+    assert len(warnings) == 1 and "numbered without it" in warnings[0]

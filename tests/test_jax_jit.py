@@ -9,6 +9,8 @@ state between steps.
 """
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -212,6 +214,64 @@ def test_check_catches_a_wrong_rewrite_and_keeps_jax_s_result(caplog, monkeypatc
         xla_passes.jax.jit(_double, passes="test-jit-negate-root", strict=True)(x)
     monkeypatch.delenv("XLA_PASSES_CHECK")
     np.testing.assert_array_equal(xla_passes.jax.jit(_double, passes="test-jit-negate-root")(x), -_double(x))
+
+
+def _batch_norm_step(mesh):
+    """A shard_map step whose loss normalizes each device's batch: what distributed-batch-norm groups."""
+    def step(w, x):
+        def loss(w):
+            h = x @ w
+            mean = jnp.mean(h, axis=0)
+            variance = jnp.mean((h - mean) ** 2, axis=0)
+            return jnp.mean(((h - mean) * jax.lax.rsqrt(variance + 1e-5)) ** 2)
+        value, grads = jax.value_and_grad(loss)(w)
+        return jax.lax.pmean(value, "data"), jax.lax.pmean(grads, "data")
+
+    return jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()))
+
+
+@pytest.mark.parametrize("options, reason", [
+    ("group_size=3", "group_size=3 does not divide the 8 devices"),
+    ("group_size=16", "group_size=16 does not divide the 8 devices"),
+    ("group_size=99999999999999999999", "group_size=99999999999999999999 does not divide the 8 devices"),
+    ("groups=0:0;1:1;2:2;3:3;4:4;5:5;6:6;7:7", "do not cover the 8 positions along the batch axis once each"),
+    ("groups=0:1;2:3;4:5;6:9", "groups=0:1;2:3;4:5;6:9 do not cover the 8 positions"),
+])
+def test_a_named_pass_that_cannot_apply_warns_why_and_fails_under_strict(caplog, options, reason):
+    """The reason is on the logger at the default level, not only in `.reports` (issue 24)."""
+    mesh = _mesh()
+    batch = jax.device_put(jnp.arange(256.0).reshape(64, 4) / 100, NamedSharding(mesh, P("data")))
+    step, args = _batch_norm_step(mesh), (jax.device_put(jnp.ones((4, 3)), NamedSharding(mesh, P())), batch)
+    passes = f"distributed-batch-norm{{{options}}}"
+    with caplog.at_level("WARNING", logger="xla_passes"):
+        got = xla_passes.jax.jit(step, passes=passes)(*args)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "distributed-batch-norm: unchanged: " in warnings[0] and reason in warnings[0]
+    np.testing.assert_array_equal(got[0], jax.jit(step)(*args)[0])
+    with pytest.raises(xla_passes.PassError, match=reason):
+        xla_passes.jax.jit(step, passes=passes, strict=True)(*args)
+
+
+def _repeat(x, n):
+    for _ in range(n):  # n must be static: a Python loop
+        x = 2.0 * x
+    return x
+
+
+@pytest.mark.parametrize("jit_kwargs, call", [
+    ({"static_argnums": (-1,)}, lambda f, x, n: f(x, n)),
+    ({"static_argnames": ("n",)}, lambda f, x, n: f(x, n)),
+    ({"static_argnames": "n"}, lambda f, x, n: f(x, n=n)),
+    ({"static_argnums": (1,)}, lambda f, x, n: f(x, n=n)),
+    ({"static_argnums": 1}, lambda f, x, n: f(x, n)),
+], ids=["negative number", "name given by position", "name", "number given by keyword", "number"])
+def test_static_arguments_are_taken_as_jax_jit_takes_them(jit_kwargs, call):
+    """Drop-in for `jax.jit` (issue 24): static_argnums and static_argnames complete each other
+    from the signature, and a negative number counts from the last argument."""
+    x = jnp.arange(4.0)
+    jitted = xla_passes.jax.jit(_repeat, passes="dce", **jit_kwargs)
+    for n in (2, 3, 2):
+        np.testing.assert_array_equal(call(jitted, x, n), call(jax.jit(_repeat, **jit_kwargs), x, n))
 
 
 def test_a_scan_over_stacked_layers_in_shard_map_compiles_with_collective_fusion():

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from hlo_tools.xla import xla_bridge
-from support import REPO_ROOT
+from support import REPO_ROOT, alive_in_session, kill_session
 from test_runner import CRASHING, PER_DEVICE_4, PER_DEVICE_8, SINGLE_DEVICE, per_device_8_expected
 
 ERROR_LINE = re.compile(r"hlo-tools: error: [^\n]+\n")
@@ -402,3 +402,40 @@ def test_a_one_device_all_gather_that_leaves_memory_unwritten_is_warned_about(tm
             "first 4 of 8 along dimension 0 are written, the rest is uninitialized memory") in out
     status, out, err = hlo_tools("fine.hlo", cwd=tmp_path)
     assert (status, err) == (0, "") and "warning" not in out
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User and system time of a process so far (from /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+
+def test_terminating_an_in_process_run_ends_the_process(files, tmp_path):
+    """XLA:CPU runs the endless loop inline, in C++: the signal must still end the command, and
+    the process with it, not only print that it did (issue 24)."""
+    import signal
+    import time
+
+    private_tmp = tmp_path / "tmp"
+    private_tmp.mkdir()
+    env = dict(os.environ, TMPDIR=str(private_tmp))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.Popen([sys.executable, "-m", "hlo_tools", "run", "endless.hlo", "--in_process",
+                             "--output", "o.npz"], cwd=files, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        # Reading the module and compiling it take about a second of CPU: then it runs the loop.
+        deadline = time.monotonic() + 120
+        while _cpu_seconds(proc.pid) < 4:
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+        assert proc.returncode == 128 + signal.SIGTERM
+        assert err == "hlo-tools: error: terminated by SIGTERM\n"
+        assert not alive_in_session(proc.pid), "a process of the command outlived it"
+        assert list(private_tmp.iterdir()) == [] and not (files / "o.npz").exists()
+    finally:
+        kill_session(proc)

@@ -38,11 +38,12 @@ those).
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import hlo_tools
 from hlo_tools.xla import proto_patch, xla_bridge
@@ -245,7 +246,9 @@ def rewrite_module(module_proto: bytes, settings: Settings, platform: str = "cpu
     A failure returns None after one warning, so that XLA compiles the original
     module, or raises when `settings.strict`. With `settings.check`, so does a
     rewritten module that computes something else than the original
-    (`xla_passes.validation`; CPU compiles only).
+    (`xla_passes.validation`; CPU compiles only). A pass that refuses the whole module
+    (`Pipeline.refusals`) says why in a warning; XLA then compiles what the other passes made,
+    strict or not (a module the pass does not fit is no failure of the compile).
     """
     number = next_module_number()
     name = "<unparsed>"
@@ -292,9 +295,8 @@ def rewrite_module(module_proto: bytes, settings: Settings, platform: str = "cpu
     logger.info("xla_passes: module_%04d %s: %s in %.1f ms", number, name,
                 f"changed by {', '.join(changed_by)}" if changed_by else "unchanged",
                 1e3 * (time.perf_counter() - start))
-    for line in pipeline.reports():
-        if line.startswith("unchanged: "):   # a pass that refused the whole module says why
-            logger.info("xla_passes: module_%04d %s: %s", number, name, line)
+    for line in pipeline.refusals():   # a pass that refused the whole module says why
+        logger.warning("xla_passes: module_%04d %s: %s", number, name, line)
     return result
 
 
@@ -401,7 +403,9 @@ def jit(fun, *, passes: str, strict: bool = False, check: bool | None = None, **
     compile the rewritten module, or (with `check`) the rewritten module computes something
     else than JAX's lowering on the same random inputs (`validation.check_offline_rewrite`),
     one warning on the "xla_passes" logger names the passes and why, and JAX compiles its own
-    lowering. `strict=True` raises instead. `check` defaults to `XLA_PASSES_CHECK`.
+    lowering. A pass that cannot apply to the program at all (`Pipeline.refusals`) says why in
+    a warning too. `strict=True` raises instead. `check` defaults to `XLA_PASSES_CHECK`.
+    `static_argnums` and `static_argnames` are taken as `jax.jit` takes them.
 
     Returns an object called like the jitted function, with `.lower(*args)` as JAX's.
     """
@@ -419,8 +423,7 @@ class PassJitted:
         self._passes = str(pipeline)
         self._strict = strict
         self._check = check
-        self._static = (set(_as_tuple(jit_kwargs.get("static_argnums"))),
-                        set(_as_tuple(jit_kwargs.get("static_argnames"))))
+        self._static = _static_arguments(fun, jit_kwargs.get("static_argnums"), jit_kwargs.get("static_argnames"))
         self._compiled: dict = {}
         self.reports: list[str] = []   # what the passes said about the last program they rewrote
 
@@ -434,6 +437,8 @@ class PassJitted:
         pipeline = Pipeline(self._passes)
         try:
             changed = pipeline.run(module)
+            if self._strict and pipeline.refusals():
+                raise PassError(pipeline.refusals()[0])
             if changed and self._check:
                 verdict = validation.check_offline_rewrite(text, module.to_text(), pipeline.all_passes())
                 if not verdict.ok:
@@ -456,8 +461,8 @@ class PassJitted:
         self.reports = pipeline.reports()
         for line in self.reports:
             logger.info("xla_passes.jax.jit: %s", line)
-            if line.startswith("unchanged: "):   # a pass that refused the whole module says why
-                logger.warning("xla_passes.jax.jit: %s: %s", module.name, line)
+        for line in pipeline.refusals():   # a pass that refused the whole module says why
+            logger.warning("xla_passes.jax.jit: %s: %s", module.name, line)
         return PassLowered(rewritten, lowered, module.name)
 
     def _refuse(self, name: str, exc: Exception) -> None:
@@ -497,8 +502,13 @@ class PassJitted:
         dynamic_args, dynamic_kwargs = jax.tree.unflatten(tree, leaves)
         return compiled(*dynamic_args, **dynamic_kwargs)
 
+    def _static_numbers(self, args) -> set[int]:
+        """The positions of the static arguments among `args`; a negative one counts from the
+        last argument given, as `jax.jit` counts it."""
+        return {n + len(args) if n < 0 else n for n in self._static[0]}
+
     def _dynamic(self, args, kwargs):
-        numbers, names = self._static
+        numbers, names = self._static_numbers(args), self._static[1]
         return ([a for i, a in enumerate(args) if i not in numbers],
                 {k: v for k, v in kwargs.items() if k not in names})
 
@@ -506,7 +516,7 @@ class PassJitted:
         """Static values, and every dynamic leaf's shape, dtype and sharding (or `shardings`')."""
         import jax  # noqa: PLC0415
 
-        numbers, names = self._static
+        numbers, names = self._static_numbers(args), self._static[1]
         static = (tuple(a for i, a in enumerate(args) if i in numbers),
                   tuple(sorted((k, v) for k, v in kwargs.items() if k in names)))
         leaves, tree = jax.tree.flatten(self._dynamic(args, kwargs))
@@ -537,7 +547,25 @@ class PassLowered:
 def _as_tuple(value) -> tuple:
     if value is None:
         return ()
-    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+    return (value,) if isinstance(value, str) or not isinstance(value, Iterable) else tuple(value)
+
+
+def _static_arguments(fun, numbers, names) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """`static_argnums` and `static_argnames` as `jax.jit` completes them from `fun`'s signature
+    (`jax._src.api_util.infer_argnums_and_argnames`): given only numbers, the names of those
+    positional-or-keyword parameters are static too, and given only names, their positions, so
+    that a static argument is taken out however it is passed."""
+    numbers, names = _as_tuple(numbers), _as_tuple(names)
+    if bool(numbers) == bool(names):
+        return numbers, names
+    try:
+        parameters = inspect.signature(fun).parameters.values()
+    except (TypeError, ValueError):  # a callable without a signature: jax infers nothing either
+        return numbers, names
+    named = [(i, p.name) for i, p in enumerate(parameters) if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    if names:
+        return tuple(i for i, name in named if name in names), names
+    return numbers, tuple(name for i, name in named if i in numbers)
 
 
 def _sharding_of(leaf):

@@ -84,7 +84,9 @@ def _chunks(text: str, split: bool) -> list[tuple[str, int]]:
         return [(text, 0)]
     chunks, current, start = [], [], 0
     in_string = in_block_comment = False
-    for number, line in enumerate(text.splitlines(keepends=True)):
+    # Only '\n' ends a line, as in the parser: str.splitlines would also end one at a '\f', '\r' or
+    # U+2028 inside a `//` comment, and take the rest of the comment for a separator.
+    for number, line in enumerate(re.findall(r"[^\n]*\n|[^\n]+$", text)):
         if not (in_string or in_block_comment) and line.strip() == SPLIT_MARKER:
             chunks.append(("".join(current), start))
             current, start = [], number + 1
@@ -161,6 +163,9 @@ def optimize(text: str, passes: str, *, path: str, split: bool = False, verify: 
             if report:
                 for line in pipeline.reports():
                     print(f"{module.name}: {line}", file=sys.stderr)
+            else:
+                for line in pipeline.refusals():  # a pass that could not apply says why, --report or not
+                    print(f"{PROG}: {module.name}: {line}", file=sys.stderr)
         outputs.append(_without_leading_comments(module.to_text(regenerate=regenerate)))
     return f"\n{SPLIT_MARKER}\n".join(out.rstrip("\n") + "\n" for out in outputs) if split else outputs[0]
 
@@ -224,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
                           machine=_machine(args))
         cli.write_output(result, args.output, args.input)
         return 0
-    return cli.report_failures(PROG, body, (PassError,))
+    return cli.report_failures(PROG, body, (PassError,), exit_on_signal=True)
 
 
 if __name__ == "__main__":

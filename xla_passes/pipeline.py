@@ -179,6 +179,14 @@ class Pipeline:
         """The report lines of every pass in the pipeline that keeps one (see `pass_report`)."""
         return [line for item in _flatten(self.passes) for line in pass_report(item)]
 
+    def refusals(self) -> list[str]:
+        """Why passes of the pipeline could not apply to the module at all, as `<pass>: unchanged:
+        <why>`: the report lines that say `unchanged: `. A pass the user named that refuses says
+        so where the user looks (a warning, xla-opt's stderr); `xla_passes.jax.jit(strict=True)`
+        raises it."""
+        return [f"{item.name}: {line}" for item in _flatten(self.passes) for line in pass_report(item)
+                if line.startswith(REFUSAL)]
+
     def _dump(self, module: HloModule, what: str, numbered: bool = False, notes=()) -> None:
         step = ""
         if numbered:
@@ -211,6 +219,10 @@ class Pipeline:
             if self.on_dump_error is None:
                 raise
             self.on_dump_error(exc)
+
+
+# How a report line of a pass that refused the whole module begins (see `Pipeline.refusals`).
+REFUSAL = "unchanged: "
 
 
 def pass_report(hlo_pass) -> list[str]:

@@ -220,6 +220,8 @@ class _Step:
                 logger.warning("xla_passes: %s: %s: %s; TF's module runs unchanged (%s=1 makes this an "
                                "error)", self.name, type(exc).__name__, exc, STRICT_VARIABLE)
                 module = hlo_tools.parse_module(tf_text)
+            for line in pipeline.refusals():   # a pass that refused the whole module says why
+                logger.warning("xla_passes: %s: %s", self.name, line)
         self.text = module.to_text()
         self._compile(tf_text)
 

@@ -8,7 +8,9 @@ Every failure is reported as a single line on stderr,
 ``hlo-tools: error: <file>:<line>:<col>: <message>``, with exit status 1
 (argparse's usage errors keep their status 2); no traceback is ever shown.
 SIGTERM and SIGHUP end a command as Ctrl-C does (child processes stopped,
-temporary files removed), with exit status 128 + the signal's number.
+temporary files removed), with exit status 128 + the signal's number; the
+process then exits at once, as the signal's default action would, instead of
+waiting in the interpreter's teardown for a computation XLA still runs.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from contextlib import contextmanager
 import hlo_tools
 from hlo_tools.atomic_files import write_through_temp_file
 from hlo_tools.ir.errors import one_line
+from hlo_tools.ir.verifier import verify_shape_sizes
 
 PROG = "hlo-tools"
 
@@ -119,12 +122,19 @@ def located(exc: hlo_tools.HloParseError | hlo_tools.HloVerifyError,
     return CommandError(one_line(who + exc.message), path, exc.line)
 
 
-def load_module(path: str) -> hlo_tools.HloModule:
-    """Read and parse the module in ``path``; parse errors carry the file's name."""
+def load_module(path: str, *, check_sizes: bool = False) -> hlo_tools.HloModule:
+    """Read and parse the module in ``path``; parse errors carry the file's name.
+
+    ``check_sizes``: refuse, as the verifier does, a shape whose dimensions or byte size int64 does
+    not hold (for commands that multiply sizes out without verifying the module).
+    """
     text = read_text(path)
     try:
-        return hlo_tools.parse_module(text)
-    except hlo_tools.HloParseError as exc:
+        module = hlo_tools.parse_module(text)
+        if check_sizes:
+            verify_shape_sizes(module)
+        return module
+    except (hlo_tools.HloParseError, hlo_tools.HloVerifyError) as exc:
         raise located(exc, _display_name(path)) from exc
 
 
@@ -193,11 +203,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def report_failures(prog: str, body, expected_errors: tuple[type[Exception], ...] = ()) -> int:
+def report_failures(prog: str, body, expected_errors: tuple[type[Exception], ...] = (),
+                    exit_on_signal: bool = False) -> int:
     """Run ``body()`` (returns the exit status); turn any failure into one line on stderr.
 
     ``expected_errors`` are the caller's own exception types whose ``str`` is the
     message to show (``CommandError`` and parse/verify errors always are).
+    ``exit_on_signal``: after Ctrl-C, SIGTERM or SIGHUP (and the cleanup they unwind
+    through), end the process with the status instead of returning it (a command's ``main``).
     """
     def error(message: str) -> int:
         print(f"{prog}: error: {one_line(message)}", file=sys.stderr)
@@ -223,11 +236,24 @@ def report_failures(prog: str, body, expected_errors: tuple[type[Exception], ...
         return error(f"{where}{exc.strerror or one_line(str(exc))}")
     except Terminated as exc:
         error(f"terminated by {signal.Signals(exc.signum).name}")
-        return 128 + exc.signum  # as a shell reports a command a signal ended
+        return _ended_by_signal(128 + exc.signum, exit_on_signal)  # as a shell reports a command a signal ended
     except KeyboardInterrupt:
-        return error("interrupted")
+        return _ended_by_signal(error("interrupted"), exit_on_signal)
     except Exception as exc:  # the last resort: still one line, never a traceback
         return error(f"internal error: {type(exc).__name__}: {one_line(str(exc))}")
+
+
+def _ended_by_signal(status: int, exit_now: bool) -> int:
+    """``status``, or the end of the process with it: an in-process run leaves its computation to
+    XLA's threads, and the interpreter's teardown would wait for it to finish (forever, for a loop)."""
+    if not exit_now:
+        return status
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -235,4 +261,4 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> int:
         args = build_parser().parse_args(argv)
         return args.func(args)
-    return report_failures(PROG, body)
+    return report_failures(PROG, body, exit_on_signal=True)

@@ -20,6 +20,10 @@ _OVERRIDES = (("--peak_flops", "peak_flops", "FLOP/s"),
               ("--hbm_bandwidth", "hbm_bandwidth", "bytes/s between a chip and its memory"),
               ("--link_bandwidth", "link_bandwidth", "bytes/s per link, per direction"),
               ("--link_latency", "link_latency", "seconds per hop of one step of a collective"))
+# The range of an override (a latency may also be 0): far enough from 0 and from the largest float
+# that every sum of the model stays finite (JSON has no Infinity) and no product of two constants
+# rounds to 0.
+_SMALLEST, _LARGEST = 1e-30, 1e30
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -78,10 +82,10 @@ def _chip(args: argparse.Namespace) -> cost_model.Chip:
     for flag, field, _ in _OVERRIDES:
         value = getattr(args, field)
         if value is not None:
-            if field == "link_latency" and not value >= 0:
-                raise cli.CommandError(f"{flag} must be at least 0 seconds, not {value:g}")
-            if field != "link_latency" and not value > 0:
-                raise cli.CommandError(f"{flag} must be a positive number, not {value:g}")
+            if not (_SMALLEST <= value <= _LARGEST or (field == "link_latency" and value == 0)):
+                zero = "0 or " if field == "link_latency" else ""
+                raise cli.CommandError(f"{flag} must be {zero}a number from {_SMALLEST:g} to {_LARGEST:g}, "
+                                       f"not {value:g}")
             overrides[field] = value
     if not overrides:
         return chip
@@ -96,7 +100,7 @@ def run_cost(args: argparse.Namespace) -> int:
     if args.timeout is not None and not args.timeout > 0:
         raise cli.CommandError(f"--timeout must be a positive number of seconds, not {args.timeout:g}")
     chosen = machine(args)
-    module = cli.load_module(args.input)
+    module = cli.load_module(args.input, check_sizes=True)
     try:
         step = cost_model.estimate(module, chosen.topology, chosen.chip, num_replicas=args.num_replicas,
                                    num_partitions=args.num_partitions, use_xla=args.use_xla,

@@ -39,7 +39,7 @@ def run_stats(args: argparse.Namespace) -> int:
     """Print the statistics of ``args.input``; 0 whenever the module parses."""
     if args.timeout is not None and not args.timeout > 0:
         raise cli.CommandError(f"--timeout must be a positive number of seconds, not {args.timeout:g}")
-    module = cli.load_module(args.input)
+    module = cli.load_module(args.input, check_sizes=True)
     report = stats.module_stats(module)
     if args.compile:
         try:

@@ -6,6 +6,11 @@ coordinates ``r:c`` (``ring:N`` chips are ``0:c``); their links are gone. Device
 over the healthy chips only: device i is the i-th healthy coordinate in row-major order, which is
 how the cost model (`hlo-tools cost --failed`) and the fault-tolerant `all-reduce-2d` agree on
 what a replica group means physically.
+
+Sizes are checked before anything is built: a spec's numbers are ASCII digits (as in XLA's
+flags; Python's ``int`` would take other scripts' digits too), a machine has at most
+``MAX_CHIPS`` chips, and ``num_devices`` is counted, not enumerated, so that a caller can
+compare it with a module's device count first.
 """
 from __future__ import annotations
 
@@ -16,8 +21,12 @@ from functools import cached_property
 
 Coordinate = tuple[int, int]
 
-_SPEC = re.compile(r"^(ring):(\d+)$|^(torus|mesh):(\d+)x(\d+)$")
-_COORDINATE = re.compile(r"^(\d+):(\d+)$")
+_SPEC = re.compile(r"(ring):([0-9]+)|(torus|mesh):([0-9]+)x([0-9]+)")
+_COORDINATE = re.compile(r"([0-9]+):([0-9]+)")
+
+# The most chips a topology may have: more than a TPU pod slice has (v5p: 8960), few enough that
+# the cost model and the passes can enumerate them.
+MAX_CHIPS = 1 << 14
 
 
 class TopologyError(ValueError):
@@ -28,7 +37,7 @@ def parse_coordinates(text: str) -> list[Coordinate]:
     """``r:c`` coordinates separated by commas or semicolons (';' inside pass options)."""
     coordinates = []
     for item in filter(None, (part.strip() for part in re.split(r"[,;]", text or ""))):
-        match = _COORDINATE.match(item)
+        match = _COORDINATE.fullmatch(item)
         if not match:
             raise TopologyError(f"failed chip {item!r} is not ROW:COLUMN, e.g. 1:2")
         coordinates.append((int(match.group(1)), int(match.group(2))))
@@ -44,7 +53,7 @@ class Topology:
 
     @classmethod
     def parse(cls, spec: str, failed: str | list[Coordinate] = "") -> Topology:
-        match = _SPEC.match(spec.strip())
+        match = _SPEC.fullmatch(spec.strip())
         if not match:
             raise TopologyError(f"topology {spec!r} is not ring:N, torus:RxC or mesh:RxC")
         if match.group(1):
@@ -53,6 +62,9 @@ class Topology:
             kind, rows, columns = match.group(3), int(match.group(4)), int(match.group(5))
         if rows < 1 or columns < 1:
             raise TopologyError(f"topology {spec!r} needs at least one chip in each dimension")
+        if rows * columns > MAX_CHIPS:
+            raise TopologyError(f"topology {spec!r} has {rows * columns} chips, more than the {MAX_CHIPS} "
+                                f"a topology may have")
         holes = parse_coordinates(failed) if isinstance(failed, str) else list(failed)
         for r, c in holes:
             if not (0 <= r < rows and 0 <= c < columns):
@@ -85,7 +97,8 @@ class Topology:
 
     @property
     def num_devices(self) -> int:
-        return len(self.coordinates)
+        """The healthy chips, counted without building them (``failed`` lies inside the machine)."""
+        return self.rows * self.columns - len(self.failed)
 
     def coordinate(self, device: int) -> Coordinate:
         return self.coordinates[device]

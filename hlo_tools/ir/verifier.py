@@ -168,6 +168,15 @@ def verify_module(module) -> None:
     _Verifier(module).run()
 
 
+def verify_shape_sizes(module) -> None:
+    """Only the size check of `verify_module` (dimensions and byte sizes that int64 holds): for
+    readers that take unverified modules (`hlo-tools stats`, `cost`) and multiply sizes out."""
+    verifier = _Verifier(module)
+    for comp in module.computations:
+        for instr in comp.instructions:
+            verifier.check_shape_size(instr)
+
+
 def verify_edits(module) -> None:
     """`verify_module` restricted to what was edited since `module` was parsed.
 

@@ -48,11 +48,15 @@ IR never loads them and the JAX path works where TensorFlow is not installed.
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
+import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import NamedTuple
@@ -68,6 +72,14 @@ _DUMP_OPTIONS = {"xla_dump_hlo_as_text": True, "xla_dump_large_constants": True}
 _NUMBERED = re.compile(r"module_(\d+)\.(.+)", re.S)
 _MODULE_NAME = re.compile(r"^\s*HloModule\s+([^\s,]+)", re.M)
 _STAGING_PREFIX = ".hlo-tools-dump-"
+
+logger = logging.getLogger(__name__)
+
+# Seconds a writer waits for the lock on a dump directory before it numbers its files without it.
+LOCK_TIMEOUT_SECONDS = 5
+# Directories whose lock a writer once waited for in vain (someone holds it): no writer waits for it again.
+_held_elsewhere: set[str] = set()
+_held_elsewhere_lock = threading.Lock()
 
 
 class DumpError(Exception):
@@ -228,13 +240,40 @@ def _numbers_in(out_dir: str) -> set[int]:
 @contextmanager
 def _directory_locked(directory: str) -> Iterator[None]:
     """An exclusive ``flock`` on ``directory`` while inside: writers of numbered files (threads
-    and processes) choose a free number and take it one at a time."""
+    and processes) choose a free number and take it one at a time.
+
+    Anyone who can read the directory can hold its lock, so it is waited for at most
+    ``LOCK_TIMEOUT_SECONDS``, once per directory: then one warning, and the writers go on
+    without it. They stay correct, only less orderly: a file is claimed by a hard link, which
+    fails rather than replace one, and a writer that loses a number moves on to the next.
+    """
     fd = os.open(directory, os.O_RDONLY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        key = os.path.realpath(directory)
+        deadline = time.monotonic() + (0 if key in _held_elsewhere else LOCK_TIMEOUT_SECONDS)
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    _warn_held(key)
+                    break
+                time.sleep(0.01)
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def _warn_held(directory: str) -> None:
+    """Note that another process holds ``directory``'s lock: warned about once, never waited for again."""
+    with _held_elsewhere_lock:
+        if directory in _held_elsewhere:
+            return
+        _held_elsewhere.add(directory)
+    logger.warning("%s: another process has held the dump directory's lock for %g s; dumps there are "
+                   "numbered without it (no file is replaced) and this warning is not repeated",
+                   directory, LOCK_TIMEOUT_SECONDS)
 
 
 def write_new(path: str, text: str) -> None:
@@ -400,9 +439,10 @@ def xla_flags_for_dump(dump_dir: str, user_flags: str = "") -> str:
 def dump_script(argv: Sequence[str], out_dir: str, env: Mapping[str, str] | None = None) -> ScriptDump:
     """Run ``argv`` with XLA's dump switched on; move what XLA wrote into ``out_dir``.
 
-    The child shares this process's stdin, stdout and stderr.  Its files are
-    moved when it ends, also when it fails or is interrupted (Ctrl-C reaches the
-    child too; this waits for it, moves the files, then re-raises).
+    The child shares this process's stdin, stdout and stderr, in a process group of its own,
+    so that a signal this process gets reaches every process the child started (see
+    :func:`_wait`; as with coreutils' ``timeout``, a child that reads the terminal is stopped).
+    Its files are moved when it ends, also when it fails or is interrupted.
 
     Args:
       argv: the command and its arguments (looked up on ``PATH``).
@@ -426,7 +466,7 @@ def dump_script(argv: Sequence[str], out_dir: str, env: Mapping[str, str] | None
         xla_flags = xla_flags_for_dump(os.path.abspath(staging), base_env.get("XLA_FLAGS", ""))
         child_env = dict(base_env, XLA_FLAGS=xla_flags)
         try:
-            child = subprocess.Popen(list(argv), env=child_env)
+            child = subprocess.Popen(list(argv), env=child_env, process_group=0)
         except FileNotFoundError as exc:
             raise DumpError(f"{argv[0]}: command not found") from exc
         except OSError as exc:
@@ -443,24 +483,47 @@ TERMINATION_GRACE_SECONDS = 10
 
 
 def _wait(child: subprocess.Popen) -> int:
-    """The child's exit status; on Ctrl-C, let the child (which got it too) finish, then re-raise.
+    """The child's exit status.
 
-    SIGTERM or SIGHUP sent to this process alone (``hlo_tools.cli.Terminated``, which carries
-    the signal's number) is passed on to the child, which gets a grace period to end (and
-    then is killed), so that no script outlives the command.
+    Ctrl-C, SIGTERM or SIGHUP sent to this process (``KeyboardInterrupt``, or
+    ``hlo_tools.cli.Terminated``, which carries the signal's number) is passed on to the
+    child's whole process group, which gets a grace period to end; then, or at once on a
+    second signal, whatever is left of the group is killed, so that no process the command
+    started outlives it. The interruption is then raised again.
     """
     try:
         return child.wait()
     except KeyboardInterrupt as exc:
-        signum = getattr(exc, "signum", None)
-        if signum is None:
-            child.wait()
-            raise
-        if child.poll() is None:
-            child.send_signal(signum)
-        try:
-            child.wait(timeout=TERMINATION_GRACE_SECONDS)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
+        _stop_group(child, getattr(exc, "signum", signal.SIGINT))
         raise
+
+
+def _stop_group(child: subprocess.Popen, signum: int) -> None:
+    """Send ``signum`` to the child's process group, wait for the group to end, kill what is left."""
+    try:
+        _signal_group(child, signum)
+        deadline = time.monotonic() + TERMINATION_GRACE_SECONDS
+        while _group_alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        pass  # a second signal: no more grace
+    finally:
+        _signal_group(child, signal.SIGKILL)
+        child.wait()
+
+
+def _signal_group(child: subprocess.Popen, signum: int) -> None:
+    try:
+        os.killpg(child.pid, signum)  # the group is the child's pid (process_group=0)
+    except ProcessLookupError:
+        pass  # every process of the group has ended
+
+
+def _group_alive(child: subprocess.Popen) -> bool:
+    """Whether a process of the child's group has not ended (the child itself is reaped first)."""
+    child.poll()
+    try:
+        os.killpg(child.pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -83,6 +83,7 @@ __all__ = [
 DEFAULT_ABS_ERROR_BOUND = 1e-3  # as in XLA's run_hlo_module
 DEFAULT_REL_ERROR_BOUND = 1e-3
 MAX_CPU_DEVICES = 512
+_INT64_MAX = 2**63 - 1
 RANDOM_HIGH = 5  # random inputs are integers in [0, RANDOM_HIGH): float sums stay exact
 
 PARTITION_MODES = ("auto", "spmd", "per_device")
@@ -527,7 +528,9 @@ def random_inputs(shapes: Sequence[tuple[tuple[int, ...], object]], seed: int = 
     arrays = []
     for shape, dtype in shapes:
         dtype = np.dtype(dtype)
-        if dtype == np.bool_:
+        if math.prod(shape) == 0:  # no int64 draw first: numpy may hold f32[0,2**61] but not s64[0,2**61]
+            arrays.append(np.zeros(shape, dtype))
+        elif dtype == np.bool_:
             arrays.append(rng.integers(0, 2, size=shape).astype(np.bool_))
         elif dtype.kind == "c":
             real = rng.integers(0, RANDOM_HIGH, size=shape)
@@ -556,6 +559,17 @@ def byte_count(count: int) -> str:
     return f"{count} bytes" + (f" ({size:.1f} {unit})" if unit != "bytes" else "")
 
 
+def check_numpy_holds(signature: Sequence[tuple[tuple[int, ...], object]], what: str) -> None:
+    """A RunError naming the array when numpy cannot make one of ``signature``'s shapes: it refuses
+    any array, an empty one too, whose non-zero dimensions multiply to more bytes than int64 holds
+    (XLA's verifier takes ``f32[0,9223372036854775807]``)."""
+    for number, (shape, dtype) in enumerate(signature):
+        size = math.prod(d for d in shape if d) * np.dtype(dtype).itemsize
+        if size > _INT64_MAX:
+            raise RunError(f"{what} {number} ({shape_str(shape, dtype)}) cannot be a numpy array: its "
+                           f"non-zero dimensions take {size} bytes, more than int64 holds ({_INT64_MAX})")
+
+
 def check_memory_for(signature: Sequence[tuple[tuple[int, ...], object]], what: str) -> None:
     """A RunError naming the parameter when the global arrays of ``signature`` cannot fit in
     this machine's memory (checked before any is allocated)."""
@@ -573,34 +587,52 @@ def check_memory_for(signature: Sequence[tuple[tuple[int, ...], object]], what: 
                        f"this machine's memory ({byte_count(limit)})")
 
 
+@dataclasses.dataclass
+class _NpzInputs:
+    """The arrays ``arg0..argK`` of an ``.npz`` file, known by their ``.npy`` headers until
+    :meth:`load`: a run checks their count, shapes and dtypes against the module first, so that
+    nothing is inflated for a module that cannot take it."""
+
+    path: str
+    signature: list[tuple[tuple[int, ...], np.dtype]]
+
+    @classmethod
+    def read(cls, path: str) -> "_NpzInputs":
+        """The headers of ``path``'s arrays, checked (see :func:`_npz_headers`)."""
+        if not os.path.exists(path):
+            raise RunError(f"{path}: No such file or directory")
+        if os.path.isfile(path) and not zipfile.is_zipfile(path):
+            raise RunError(f"{path}: not an .npz file (expected arrays arg0..argK saved with numpy.savez)")
+        headers = _npz_headers(path)
+        names = [f"arg{i}" for i in range(len(headers))]
+        unexpected = sorted(set(headers) - set(names))
+        if unexpected:
+            raise RunError(f"{path}: unexpected array '{unexpected[0]}' (inputs are named arg0..argK)")
+        return cls(path, [headers[n] for n in names])
+
+    def load(self) -> list[np.ndarray]:
+        """The arrays, each read up to the size its header gives."""
+        try:
+            with np.load(self.path, allow_pickle=False) as data:
+                return [data[f"arg{i}"] for i in range(len(self.signature))]
+        except OSError as exc:
+            raise RunError(f"{self.path}: {exc.strerror or exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - zipfile/pickle/format errors
+            raise RunError(f"{self.path}: not a readable .npz file ({type(exc).__name__}: "
+                           f"{first_line(str(exc))})") from exc
+
+
 def load_inputs(path: str) -> list[np.ndarray]:
     """The arrays ``arg0..argK`` of an ``.npz`` file, in order."""
-    if os.path.isfile(path) and not zipfile.is_zipfile(path):
-        raise RunError(f"{path}: not an .npz file (expected arrays arg0..argK saved with numpy.savez)")
-    if os.path.isfile(path):
-        _check_npz_headers(path)
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            arrays = {k: data[k] for k in data.files}
-    except FileNotFoundError as exc:
-        raise RunError(f"{path}: No such file or directory") from exc
-    except OSError as exc:
-        raise RunError(f"{path}: {exc.strerror or exc}") from exc
-    except Exception as exc:  # noqa: BLE001 - zipfile/pickle/format errors
-        raise RunError(f"{path}: not a readable .npz file ({type(exc).__name__}: {exc})") from exc
-    names = [f"arg{i}" for i in range(len(arrays))]
-    unexpected = sorted(set(arrays) - set(names))
-    if unexpected:
-        raise RunError(f"{path}: unexpected array '{unexpected[0]}' (inputs are named arg0..argK)")
-    return [arrays[n] for n in names]
+    return _NpzInputs.read(path).load()
 
 
-def _check_npz_headers(path: str) -> None:
-    """Read the shape and dtype of every array of an ``.npz`` from its ``.npy`` header, before
+def _npz_headers(path: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """The shape and dtype of every array of an ``.npz``, read from its ``.npy`` header before
     loading any: an array whose data the file does not hold (a small, compressed file that would
     inflate to more than it says, a truncated one), an object array, or arrays that do not fit in
     this machine's memory are refused with one line."""
-    total, limit = 0, memory_bytes()
+    headers, total, limit = {}, 0, memory_bytes()
     try:
         with zipfile.ZipFile(path) as archive:
             for member in archive.infolist():
@@ -622,6 +654,7 @@ def _check_npz_headers(path: str) -> None:
                     raise RunError(f"{path}: array '{name}' says it is {shape_str(shape, dtype)} "
                                    f"({byte_count(size)}), but the file holds "
                                    f"{byte_count(max(member.file_size - header_size, 0))} of data for it")
+                headers[name] = (tuple(shape), dtype)
                 total += size
                 if limit is not None and total > limit:
                     raise RunError(f"{path}: array '{name}' ({shape_str(shape, dtype)}, "
@@ -634,6 +667,7 @@ def _check_npz_headers(path: str) -> None:
     except Exception as exc:  # noqa: BLE001 - zipfile/format errors: one line
         raise RunError(f"{path}: not a readable .npz file ({type(exc).__name__}: "
                        f"{first_line(str(exc))})") from exc
+    return headers
 
 
 def save_arrays(path: str, arrays: Sequence[np.ndarray], prefix: str = "out") -> None:
@@ -659,22 +693,25 @@ def save_arrays(path: str, arrays: Sequence[np.ndarray], prefix: str = "out") ->
         raise RunError(f"{path}: {exc.strerror or exc}") from exc
 
 
+def _check_signature(given, expected, what: str) -> None:
+    """A RunError unless the ``(shape, dtype)`` of each input, ``given``, is what the module
+    expects (an array of raw bytes, as .npz keeps bfloat16, passes for a dtype of its size)."""
+    if len(given) != len(expected):
+        raise RunError(f"{what} takes {len(expected)} parameter{'s' if len(expected) != 1 else ''}, "
+                       f"but {len(given)} input array{'s were' if len(given) != 1 else ' was'} given")
+    for i, ((shape, dtype), (want_shape, want_dtype)) in enumerate(zip(given, expected)):
+        dtype, want_dtype = np.dtype(dtype), np.dtype(want_dtype)
+        raw = dtype.kind == "V" and dtype.itemsize == want_dtype.itemsize
+        if (dtype != want_dtype and not raw) or tuple(shape) != tuple(want_shape):
+            raise RunError(f"input arg{i} is {shape_str(shape, dtype)}, but {what} "
+                           f"expects {shape_str(want_shape, want_dtype)}")
+
+
 def _check_inputs(inputs: Sequence[np.ndarray], expected, what: str) -> list[np.ndarray]:
     """Inputs matching the expected global shapes and dtypes (raw-byte arrays are viewed)."""
-    if len(inputs) != len(expected):
-        raise RunError(f"{what} takes {len(expected)} parameter{'s' if len(expected) != 1 else ''}, "
-                       f"but {len(inputs)} input array{'s were' if len(inputs) != 1 else ' was'} given")
-    checked = []
-    for i, (array, (shape, dtype)) in enumerate(zip(inputs, expected)):
-        array = np.asarray(array)
-        dtype = np.dtype(dtype)
-        if array.dtype != dtype and array.dtype.kind == "V" and array.dtype.itemsize == dtype.itemsize:
-            array = array.view(dtype)
-        if array.dtype != dtype or tuple(array.shape) != tuple(shape):
-            raise RunError(f"input arg{i} is {shape_str(array.shape, array.dtype)}, but {what} "
-                           f"expects {shape_str(shape, dtype)}")
-        checked.append(array)
-    return checked
+    arrays = [np.asarray(a) for a in inputs]
+    _check_signature([(a.shape, a.dtype) for a in arrays], expected, what)
+    return [a if a.dtype == np.dtype(dtype) else a.view(dtype) for a, (_, dtype) in zip(arrays, expected)]
 
 
 # --- Results -------------------------------------------------------------------------------------
@@ -907,7 +944,7 @@ class _RunSpec:
 @dataclasses.dataclass
 class _Job:
     runs: list[_RunSpec]
-    inputs: list[np.ndarray] | None = None
+    inputs: list[np.ndarray] | _NpzInputs | None = None
     seed: int = 0
     iterations: int = 1
     platform: str = "cpu"
@@ -1329,6 +1366,21 @@ def _execute_job(job: _Job, status=lambda _: None, progress_stream=None) -> list
             xla_bridge.configure_cpu_devices(needed // processes)
         else:
             ensure_cpu_devices(needed, max(needed, 8))
+
+    # Every size is checked before XLA's client starts or an input is read or made.
+    signature, name = loaded[0].global_signature(), loaded[0].spec.ref.name
+    for m in loaded:
+        check_numpy_holds(m.global_signature(), f"{m.spec.ref.name}: parameter")
+        check_numpy_holds(m.results, f"{m.spec.ref.name}: output")
+    if isinstance(job.inputs, list):  # in memory already
+        _check_signature([(a.shape, a.dtype) for a in job.inputs], signature, name)
+    else:  # to be read from a file, or made
+        if job.inputs is not None:
+            _check_signature(job.inputs.signature, signature, name)
+        check_memory_for(signature, name)
+    for m in loaded[1:]:
+        _check_signature(signature, m.global_signature(), f"{m.spec.ref.name} (the reference)")
+
     if processes > 1:
         status("joining the distributed run")
         try:
@@ -1349,19 +1401,13 @@ def _execute_job(job: _Job, status=lambda _: None, progress_stream=None) -> list
                        f"'{job.platform}' has {len(devices)}{hint}")
 
     # Inputs: given for, or generated for, the first module; every module runs on them.
-    inputs = None
-    for m in loaded:
-        signature = m.global_signature()
-        name = m.spec.ref.name
-        if inputs is None:
-            if job.inputs is None:
-                check_memory_for(signature, name)
-            inputs = (_check_inputs(job.inputs, signature, name) if job.inputs is not None
-                      else random_inputs(signature, job.seed))
-            if job.replicated:
-                inputs = _replicate_parameters(m, inputs, job.replicated, given=job.inputs is not None)
-        else:
-            inputs = _check_inputs(inputs, signature, f"{name} (the reference)")
+    if job.inputs is None:
+        inputs = random_inputs(signature, job.seed)
+    else:
+        inputs = _check_inputs(job.inputs.load() if isinstance(job.inputs, _NpzInputs) else job.inputs,
+                               signature, name)
+    if job.replicated:
+        inputs = _replicate_parameters(loaded[0], inputs, job.replicated, given=job.inputs is not None)
 
     results = []
     for index, m in enumerate(loaded):
@@ -1427,7 +1473,9 @@ def _job_to_dir(job: _Job, directory: str) -> dict:
             entry["input_format"] = "pb" if isinstance(content, bytes) else "hlo"
         runs.append(entry)
     inputs_path = None
-    if job.inputs is not None:
+    if isinstance(job.inputs, _NpzInputs):
+        inputs_path = os.path.abspath(job.inputs.path)
+    elif job.inputs is not None:
         inputs_path = os.path.join(directory, "inputs.npz")
         np.savez(inputs_path, **{f"arg{i}": np.asarray(a) for i, a in enumerate(job.inputs)})
     return {"runs": runs, "inputs": inputs_path, "seed": job.seed, "iterations": job.iterations,
@@ -1441,7 +1489,7 @@ def _job_from_dict(d: dict) -> _Job:
                         display=entry["name"])
         runs.append(_RunSpec(ref, entry["num_replicas"], entry["num_partitions"],
                              entry["partition_mode"]))
-    inputs = load_inputs(d["inputs"]) if d.get("inputs") else None
+    inputs = _NpzInputs.read(d["inputs"]) if d.get("inputs") else None
     return _Job(runs, inputs, d["seed"], d["iterations"], d["platform"], d["progress"],
                 d.get("coordinator"), d.get("num_processes", 1), d.get("process_id", 0),
                 list(d.get("replicated", [])))
@@ -1782,13 +1830,14 @@ def _make_job(modules, inputs, seed, iterations, platform, progress,
         _precheck(ref, ref.read())
         specs.append(_RunSpec(ref, replicas, partitions, mode))
     if isinstance(inputs, (str, os.PathLike)):
-        inputs = load_inputs(os.fspath(inputs))
+        inputs = _NpzInputs.read(os.fspath(inputs))
+    elif inputs is not None:
+        inputs = [np.asarray(a) for a in inputs]
     replicated = [str(p).strip() for p in replicated_parameters]
     if any(not p for p in replicated):
         raise RunError("an empty name in the replicated parameters (give entry parameter numbers "
                        "or names, e.g. 0,w)")
-    return _Job(specs, None if inputs is None else [np.asarray(a) for a in inputs], int(seed),
-                iterations, platform, bool(progress), coordinator, num_processes,
+    return _Job(specs, inputs, int(seed), iterations, platform, bool(progress), coordinator, num_processes,
                 process_id if process_id is not None else 0, replicated)
 
 

@@ -18,6 +18,7 @@ functions (compiling, executing) go in their own section at the end.
 from __future__ import annotations
 
 import re as _re
+import threading as _threading
 
 import jaxlib as _jaxlib
 from jax._src.lib import xla_client as _xc
@@ -423,19 +424,23 @@ class Executable:
         import time  # noqa: PLC0415
 
         jax = _jax()
+
+        def run(arrays):
+            start = time.perf_counter()
+            with jax.enable_x64(True):
+                leaves = self._loaded.execute_sharded(arrays).disassemble_into_single_device_arrays()
+                jax.block_until_ready(leaves)
+            return leaves, time.perf_counter() - start
+
         outputs, seconds = None, []
         for it in range(max(1, int(iterations))):
             arrays = self._device_arrays(per_device)
             jax.block_until_ready(arrays)
-            start = time.perf_counter()
             try:
-                with jax.enable_x64(True):
-                    results = self._loaded.execute_sharded(arrays)
-                    leaves = results.disassemble_into_single_device_arrays()
-                    jax.block_until_ready(leaves)
+                leaves, elapsed = _interruptible(run, arrays)
             except Exception as exc:  # noqa: BLE001 - XlaRuntimeError and friends
                 raise XlaBridgeError(f"XLA could not run the module: {_xla_message(exc)}") from exc
-            seconds.append(time.perf_counter() - start)
+            seconds.append(elapsed)
             if outputs is None:
                 outputs = []
                 for leaf in leaves:
@@ -445,6 +450,29 @@ class Executable:
             if on_iteration is not None:
                 on_iteration(it + 1)
         return outputs, seconds
+
+
+def _interruptible(fn, *args):
+    """``fn(*args)`` on a helper thread, waited for on a lock, where Python still runs its signal
+    handlers: XLA:CPU runs a computation inline, in C++, which would hold off Ctrl-C and SIGTERM
+    until the computation ends. A signal's exception leaves the computation behind, to end with
+    the process (`hlo_tools.cli` exits at once after one)."""
+    if _threading.current_thread() is not _threading.main_thread():
+        return fn(*args)  # only the main thread runs signal handlers
+    outcome = {}
+
+    def target():
+        try:
+            outcome["value"] = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
+            outcome["error"] = exc
+
+    helper = _threading.Thread(target=target, name="xla-execute", daemon=True)
+    helper.start()
+    helper.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 def compile_module(module, platform: str, devices: list, process_index: int, *,

@@ -160,6 +160,51 @@ def test_split_input_file_does_not_split_inside_a_string(tmp_path, capsys):
     assert second.startswith("HloModule second")
 
 
+@pytest.mark.parametrize("separator", ["\u2028", "\u2029", "\f", "\v", "\r", "\x85", "\x1c"])
+def test_split_input_file_ends_a_line_comment_only_at_a_newline(tmp_path, capsys, separator):
+    """What str.splitlines takes for a line break is comment text to the parser (issue 24)."""
+    commented = MODULE.replace("ROOT r = f32[8] add(p, p)", f"ROOT r = f32[8] add(p, p) // a{separator}// -----")
+    src = tmp_path / "cases.hlo"
+    with open(src, "w", encoding="utf-8", newline="") as f:
+        f.write(commented + "// -----\n" + MODULE.replace("opt_test", "second"))
+    status, out, _ = run_opt(capsys, str(src), "--split-input-file")
+    assert status == 0
+    first, second = out.split("\n// -----\n")
+    assert f"// a{separator}// -----" in first and second.startswith("HloModule second")
+
+
+SIXTEEN_REPLICAS = """HloModule sum16, replica_count=16
+
+add {
+  a = f32[] parameter(0)
+  b = f32[] parameter(1)
+  ROOT c = f32[] add(a, b)
+}
+
+ENTRY main {
+  p = f32[1024] parameter(0)
+  ROOT r = f32[1024] all-reduce(p), replica_groups={}, to_apply=add
+}
+"""
+
+
+@pytest.mark.parametrize("passes, reason", [
+    ("all-reduce-2d{mesh=4x4,failed=1:2}", "not one group of the 15 healthy chips of mesh:4x4 failed 1:2"),
+    ("all-reduce-2d{mesh=4x8}", "groups of 16 devices do not form a 4x8 mesh (32 devices)"),
+])
+def test_a_named_pass_that_cannot_apply_says_why_without_report(tmp_path, capsys, passes, reason):
+    """Not only with --report or strict=true (issue 24)."""
+    src = tmp_path / "sum16.hlo"
+    src.write_text(SIXTEEN_REPLICAS)
+    status, out, err = run_opt(capsys, str(src), f"--passes={passes}")
+    assert status == 0 and out == SIXTEEN_REPLICAS
+    unchanged, why = err.splitlines()
+    assert unchanged == "xla-opt: sum16: no pass changed the module"
+    assert why.startswith("xla-opt: sum16: all-reduce-2d: unchanged: %r left alone: ") and why.endswith(reason)
+    status, _, err = run_opt(capsys, str(src), f"--passes={passes[:-1]},strict=true}}")
+    assert status == 1 and one_error_line(err).endswith(reason)
+
+
 def test_dump_to_a_reused_directory_replaces_nothing(tmp_path, capsys):
     src = tmp_path / "in.hlo"
     src.write_text(MODULE)

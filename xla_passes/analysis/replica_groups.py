@@ -158,7 +158,7 @@ def uniform_group_size(groups: list[list[int]]) -> int | None:
 
 def parse_mesh(text: str) -> tuple[int, int]:
     """`"2x4"` -> (2, 4): rows x columns, each at least 1 (ValueError otherwise)."""
-    match = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*", text)
+    match = re.fullmatch(r"\s*([0-9]+)\s*x\s*([0-9]+)\s*", text)  # ASCII digits only, as in XLA's flags
     if not match or int(match.group(1)) < 1 or int(match.group(2)) < 1:
         raise ValueError(f"mesh {text!r} is not ROWSxCOLUMNS with positive sizes, e.g. mesh=2x4")
     return int(match.group(1)), int(match.group(2))

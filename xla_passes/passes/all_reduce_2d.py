@@ -33,8 +33,10 @@ The new groups are derived from the participants (see `xla_passes.analysis.repli
     global-device-id groups of new flattened-id collectives.
 
 An all-reduce whose groups do not have R*C devices each (or whose participants the module
-does not determine) is left unchanged, or with `strict=true` is an error naming it. With C = 1
-the rows are single devices and the all-reduce already is the column reduction: unchanged too.
+does not determine) is left unchanged, and the report says why, or with `strict=true` is an
+error naming it. With C = 1 the rows are single devices and the all-reduce already is the
+column reduction: unchanged too. When every all-reduce was left alone, the report's last line
+says `unchanged:` and why, which xla-opt and the JAX adapters show (`Pipeline.refusals`).
 
 The physical form, `all-reduce-2d{mesh=RxC,failed=r:c;r:c}` or `all-reduce-2d{torus=RxC}`
 (wrap-around links; `failed=` optional): the machine has failed chips, and the all-reduce, over
@@ -101,8 +103,10 @@ class AllReduce2D(HloPass):
         for all_reduce in decomposable_all_reduces(module, self.min_bytes):
             groups = participant_groups(all_reduce, counts)
             if groups is None or any(len(group) != rows * columns for group in groups):
+                problem = self._misfit(groups, rows, columns)
                 if self.strict:
-                    raise self.fail(self._misfit(groups, rows, columns), all_reduce)
+                    raise self.fail(problem, all_reduce)
+                self.report.append(f"%{all_reduce.name} left alone: {problem}")
                 continue
             if columns == 1:
                 continue
@@ -113,7 +117,7 @@ class AllReduce2D(HloPass):
             within_columns = Addressing(ReplicaGroups.of(column_groups), mode) if rows > 1 else None
             replace_by_shard_reduction(all_reduce, columns, within_rows, within_columns, channel_ids)
             changed = True
-        return changed
+        return self._refused_unless(changed)
 
     def _run_physical(self, module: HloModule) -> bool:
         if self._machine.num_devices == 1:  # one healthy chip: nothing to send anywhere
@@ -136,6 +140,14 @@ class AllReduce2D(HloPass):
                 f"%{name}: tree of depth {tree.height} rooted at chip {root} (device {tree.root}), "
                 f"{schedule.chunks} chunks, {schedule.rounds} rounds, {len(schedule.permutes())} collective-permutes")
             changed = True
+        return self._refused_unless(changed)
+
+    def _refused_unless(self, changed: bool) -> bool:
+        """`changed`; when nothing changed because the all-reduces were left alone, the report
+        ends with `unchanged:` and why."""
+        if not changed and self.report:
+            more = len(self.report) - 1
+            self.report.append(f"unchanged: {self.report[0]}" + (f" (and {more} more)" if more else ""))
         return changed
 
     @staticmethod
