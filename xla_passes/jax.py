@@ -397,7 +397,8 @@ def jit(fun, *, passes: str, strict: bool = False, check: bool | None = None, **
     optimizer state back sharded (each device keeps 1/N of it), which the next call accepts.
     The passes see the collectives the program itself has (shard_map and pmap-style steps);
     a `jax.jit` + `NamedSharding` program gets its collectives only from XLA's partitioner,
-    after this point.
+    after this point, so there `weight-update-sharding{persistent=true}` annotates the
+    optimizer state and its update as split over the data axes, for the partitioner to split.
 
     As at the hook, the passes never break the program: when a pass fails, or XLA cannot
     compile the rewritten module, or (with `check`) the rewritten module computes something

@@ -721,6 +721,7 @@ def with_lowered_module(lowered, text: str, *, resharded_parameters=(), resharde
         raise XlaBridgeError(f"XLA could not convert the module to StableHLO: {_xla_message(exc)}") from exc
     with lowering._hlo.context:
         lowering._hlo = ir.Module.parse(mlir_text)
+        _mark_buffer_donors(lowering._hlo, _buffer_donors(text))
     args = lowering.compile_args
     for key, indices in (("in_shardings", resharded_parameters), ("out_shardings", resharded_outputs)):
         shardings = list(args[key])
@@ -728,6 +729,32 @@ def with_lowered_module(lowered, text: str, *, resharded_parameters=(), resharde
             shardings[index] = UNSPECIFIED
         args[key] = tuple(shardings)
     return lowered
+
+
+def _buffer_donors(text: str) -> list[int]:
+    """The entry parameters the module's `buffer_donor={...}` header attribute donates whole."""
+    header = _re.search(r"^HloModule\b[^\n]*", text, _re.M)
+    found = _re.search(r"\bbuffer_donor=\{(.*?)\}\s*(?:,\s*\w+=|$)", header.group(0)) if header else None
+    return [int(n) for n in _re.findall(r"\(\s*(\d+)\s*,\s*\{\s*\}\s*\)", found.group(1))] if found else []
+
+
+def _mark_buffer_donors(module, donors: list[int]) -> None:
+    """Give the main function's `donors` arguments `jax.buffer_donor`, which the HLO -> StableHLO
+    conversion drops: JAX lowers donated arguments whose output sharding it leaves to XLA
+    (`AxisType.Auto` meshes) as buffer donors, and without the mark XLA aliases none of them."""
+    if not donors:
+        return
+    from jax._src.lib.mlir import ir  # noqa: PLC0415
+
+    main = next(op for op in module.body.operations
+                if "sym_name" in op.attributes and ir.StringAttr(op.attributes["sym_name"]).value == "main")
+    arguments = []
+    for number, attributes in enumerate(main.arg_attrs):
+        entries = {named.name: named.attr for named in ir.DictAttr(attributes)}
+        if number in donors:
+            entries["jax.buffer_donor"] = ir.BoolAttr.get(True)
+        arguments.append(ir.DictAttr.get(entries))
+    main.arg_attrs = ir.ArrayAttr.get(arguments)
 
 
 def sharding_key(sharding, rank: int):

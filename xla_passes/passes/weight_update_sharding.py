@@ -133,6 +133,10 @@ class WeightUpdateSharding(HloPass):
                 rewriter = _ComputationSharder(self, module, comp)
                 changed |= rewriter.run()
                 self.report.extend(rewriter.reports)
+        if self.persistent and not self.report and _before_partitioning(module):
+            annotator = _StateShardingForPartitioner(self, module)
+            changed |= annotator.run()
+            self.report.extend(annotator.reports)
         for entry in self.report:
             logger.info("%s", entry)
         return changed
@@ -1209,6 +1213,254 @@ class _ShardMapBoundary:
         self.call.set_shape(body_root.shape)
         for gte in self.call.users:
             gte.set_shape(body_root.shape.tuple_shapes[gte.attrs["index"]])
+
+
+# -- before XLA's partitioner (jax.jit + NamedSharding) -------------------------------------------------
+
+def _before_partitioning(module: HloModule) -> bool:
+    """A module that XLA's SPMD partitioner has not seen yet: Shardy's mesh, entry parameters
+    that say their sharding, no collective, and no partition count in its header (JAX's lowering
+    of a `jax.jit` step whose arrays carry `NamedSharding`s; the partitioner makes the collectives
+    and the per-device program later). A partitioned module (the hook's) is never one."""
+    entry = module.entry
+    return (not module.layouts_final and module.num_partitions == 1
+            and _frontend_attribute(module, "xla.sdy.meshes") is not None
+            and all("sharding" in p.attrs for p in entry.parameters)
+            and not any(i.opcode in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+                        for c in module.computations for i in c.instructions))
+
+
+class _StateShardingForPartitioner:
+    """`persistent=true` before XLA's partitioner: the optimizer state, and the update that reads
+    it, annotated as split over the mesh's data axes, so that the partitioner computes the
+    update on 1/N of each array and hands the state back split (2004.13336 did this inside the
+    SPMD partitioner). Nothing here can change a result: an annotation only says where values
+    live, and the partitioner moves them where an instruction needs them::
+
+        mu = f32[512,256] parameter(3), sharding={replicated}            (Shardy: [{}, {}])
+        m1 = f32[512,256] custom-call(add), custom_call_target="Sharding", sharding={replicated}
+      becomes
+        mu = f32[512,256] parameter(3), sharding={devices=[8,1]<=[8]}    (Shardy: [{"data"}, {}])
+        m1 = f32[512,256] custom-call(add), custom_call_target="Sharding", sharding={devices=[8,1]<=[8]}
+
+    The data axes are those that split the parameters the step does not hand back (the batch).
+    State is a parameter that the step hands back (`input_output_alias`, else the output of its
+    own index) and reads only elementwise, whose new value depends elementwise on no parameter
+    read otherwise (a weight, which the forward pass reads whole: it stays replicated, updated
+    from split values and gathered by the partitioner). Model axes already in a sharding stay.
+    """
+
+    def __init__(self, hlo_pass: WeightUpdateSharding, module: HloModule):
+        self.options = hlo_pass
+        self.module = module
+        self.entry = module.entry
+        self.reports: list[WeightReport] = []
+
+    def run(self) -> bool:
+        meshes = parse_sdy_meshes(_frontend_attribute(self.module, "xla.sdy.meshes"))
+        if len(meshes) != 1:
+            return False
+        self.mesh_name, (axes, coordinates) = next(iter(meshes.items()))
+        self.axes = axes
+        self.sizes = [1 + max(c[k] for c in coordinates.values()) for k in range(len(axes))] if coordinates else []
+        self.devices = np.empty(self.sizes, dtype=np.int64)
+        for device, position in coordinates.items():
+            self.devices[position] = device
+        root = self.entry.root
+        if root.opcode != "tuple":
+            return False
+        self.output_of = {number: index for index, number in
+                          _output_parameters(self.module, root.operand_count).items()}
+        parameters = self.entry.parameters
+        self.data_axes = [a for a in axes if any(
+            a in sum(dims, []) for p in parameters if p.parameter_number not in self.output_of
+            for dims in [self._dims(p, "xla.sdy.sharding")] if dims is not None)]
+        if not self.data_axes:
+            return False
+        size = math.prod(self.sizes[axes.index(a)] for a in self.data_axes)
+        plans = {}
+        for parameter in parameters:
+            plan = self._plan(parameter, size)
+            if plan is not None:
+                plans[parameter] = plan
+        if not plans:
+            return False
+        split = {}   # value -> dimension split over the data axes
+        for parameter, dimension in plans.items():
+            for value in self._update_values(parameter):
+                split[value] = dimension
+        for value, dimension in split.items():
+            if _is_custom_call(value, "Sharding"):
+                self._split(value, "xla.sdy.sharding", dimension)
+        root = self.entry.root
+        elements = list(root.attrs["sharding"].elements) if "sharding" in root.attrs else None
+        for parameter, dimension in plans.items():
+            full = parameter.attrs["sharding"]
+            self._split(parameter, "xla.sdy.sharding", dimension)
+            index = self.output_of[parameter.parameter_number]
+            value = root.operand(index)   # the new state, through the annotations of the step's result
+            while value.opcode in ("reshape", "custom-call") and value.operand_count == 1:
+                if _is_custom_call(value, _RESULT_SHARDING) or _is_custom_call(value, "Sharding"):
+                    self._split(value, "xla.sdy.sharding", dimension)
+                elif "sharding" in value.attrs:
+                    value.attrs["sharding"] = parameter.attrs["sharding"]
+                value = value.operand(0)
+            if not self._annotated(root.operand(index)):
+                self._pin(index, parameter)
+            if elements is not None:
+                elements[index] = parameter.attrs["sharding"]
+            self.reports.append(WeightReport(
+                computation=self.entry.name, gradient=f"%{parameter.name}",
+                shape=parameter.shape.to_text(print_layout=False),
+                weights=(_parameter_op_name(parameter) or parameter.name,),
+                sharded=True, group_size=size, dimension=dimension,
+                shard_bytes=parameter.shape.byte_size // size,
+                signature=f"persistent: parameter {parameter.parameter_number} and output {index} sharding "
+                          f"{full} -> {parameter.attrs['sharding']} (XLA's partitioner splits the update)"))
+        # A weight whose new value comes from split values keeps its own sharding: where JAX
+        # lowered its output unannotated (`AxisType.Auto`), the partitioner would split it too.
+        updated = set().union(*(self._update_values(p) for p in plans))
+        for number, index in self.output_of.items():
+            parameter = self.entry.parameter(number)
+            value = root.operand(index)
+            if parameter not in plans and value in updated and not self._annotated(value):
+                self._pin(index, parameter)
+        if elements is not None:
+            root.attrs["sharding"] = Sharding.tuple_of(elements)
+        return True
+
+    def _annotated(self, value: HloInstruction) -> bool:
+        """Whether an output says its sharding on its way out (JAX's `Sharding` custom-call or
+        Shardy's result annotation)."""
+        return _is_custom_call(value, "Sharding") or _is_custom_call(value, _RESULT_SHARDING) or (
+            value.opcode == "reshape" and self._annotated(value.operand(0)))
+
+    def _pin(self, index: int, parameter: HloInstruction) -> None:
+        """Output `index` of the entry through a `Sharding` custom-call that says `parameter`'s
+        sharding (its Shardy one, as a per-value sharding, and its HloSharding)."""
+        root = self.entry.root
+        value = root.operand(index)
+        dims = self._dims(parameter) or [[] for _ in range(parameter.shape.rank)]
+        attrs = {"custom_call_target": "Sharding", "sharding": parameter.attrs["sharding"],
+                 "frontend_attributes": FrontendAttributes((("xla.sdy.sharding", f"#sdy.sharding_per_value<[<@"
+                                                              f"{self.mesh_name}, [{_sdy_dims_text(dims)}]>]>"),))}
+        pinned = self.entry.add_instruction("custom-call", [value], value.shape, attrs=attrs, before=root,
+                                            name=f"{value.name}.sharding")
+        root.set_operand(index, pinned)
+
+    def _plan(self, parameter: HloInstruction, size: int) -> int | None:
+        """The dimension of a state parameter to split over the data axes, else None (with a
+        `kept` report for state that cannot be split)."""
+        shape, number = parameter.shape, parameter.parameter_number
+        dims = self._dims(parameter, "xla.sdy.sharding")
+        if (number not in self.output_of or not shape.is_array or shape.rank == 0 or dims is None
+                or shape.dtype not in FLOAT_DTYPES or any(a in self.data_axes for d in dims for a in d)):
+            return None
+        output = self.entry.root.operand(self.output_of[number])
+        if not self._read_elementwise(parameter) or output not in self._update_values(parameter) \
+                or not self._state_only(output):
+            return None
+        if shape.byte_size < self.options.threshold_bytes:
+            reason = f"tiny: {shape.byte_size} bytes is below threshold_bytes={self.options.threshold_bytes}"
+        else:
+            for dimension, extent in enumerate(shape.dims):
+                if not dims[dimension] and extent % size == 0:
+                    return dimension
+            reason = (f"no dimension that no axis splits yet is a multiple of the {size} devices of the data axes "
+                      f"(JAX takes no unevenly split argument)")
+        self.reports.append(WeightReport(
+            computation=self.entry.name, gradient=f"%{parameter.name}", shape=shape.to_text(print_layout=False),
+            weights=(_parameter_op_name(parameter) or parameter.name,), sharded=False, reason=reason))
+        return None
+
+    def _update_values(self, parameter: HloInstruction) -> set:
+        """The values an update computes from `parameter` elementwise at its shape (through
+        `Sharding` annotations and the output's reshapes); where something else reads them (a
+        norm, a dot), the partitioner brings the split values together for it."""
+        dims = parameter.shape.dims
+        values, work = {parameter}, [parameter]
+        while work:
+            for user in work.pop().users:
+                if user not in values and self._carries(user, dims):
+                    values.add(user)
+                    work.append(user)
+        return values
+
+    def _carries(self, instr: HloInstruction, dims: tuple[int, ...]) -> bool:
+        """An elementwise instruction or an annotation (a `Sharding` custom-call, Shardy's result
+        annotation, a reshape that keeps the shape) at `dims`."""
+        if not instr.shape.is_array or instr.shape.dims != dims or instr.is_root:
+            return False
+        if instr.opcode in ELEMENTWISE:
+            return not has_side_effect(instr)
+        return instr.operand_count == 1 and (instr.opcode == "reshape" or _is_custom_call(instr, "Sharding")
+                                             or _is_custom_call(instr, _RESULT_SHARDING))
+
+    def _read_elementwise(self, parameter: HloInstruction) -> bool:
+        """Whether every use of `parameter`, through its annotations, is elementwise: optimizer
+        state; a weight is read by a dot or a convolution of the forward pass."""
+        dims, work = parameter.shape.dims, [parameter]
+        while work:
+            for user in work.pop().users:
+                if user is self.entry.root:
+                    continue
+                if not self._carries(user, dims):
+                    return False
+                if user.opcode not in ELEMENTWISE:   # an annotation: what reads through it counts
+                    work.append(user)
+        return True
+
+    def _state_only(self, output: HloInstruction) -> bool:
+        """Whether the parameters `output` depends on elementwise are all read only elementwise:
+        optimizer state, not a weight (which a dot or a reduction also reads)."""
+        seen, work = {output}, [output]
+        while work:
+            value = work.pop()
+            if value.opcode == "parameter":
+                if not self._read_elementwise(value):
+                    return False
+                continue
+            if value.opcode in ELEMENTWISE or _is_custom_call(value, "Sharding") or \
+                    _is_custom_call(value, _RESULT_SHARDING) or value.opcode == "reshape":
+                for operand in value.operands:
+                    if operand not in seen and operand.shape.is_array and operand.shape.dims == output.shape.dims:
+                        seen.add(operand)
+                        work.append(operand)
+        return True
+
+    def _dims(self, instr: HloInstruction, key: str = "xla.sdy.sharding") -> list[list[str]] | None:
+        text = _frontend_attribute(instr, key)
+        values = _sdy_values(text) if text else []
+        return _sdy_dims(values[0].group(2)) if len(values) == 1 and values[0].group(1) == self.mesh_name else None
+
+    def _split(self, instr: HloInstruction, key: str, dimension: int) -> None:
+        """`instr`'s Shardy sharding and HloSharding with the data axes on `dimension`."""
+        dims = self._dims(instr, key)
+        if dims is None or len(dims) != instr.shape.rank:
+            dims = [[] for _ in range(instr.shape.rank)]
+        dims[dimension] = list(self.data_axes)
+        text = _frontend_attribute(instr, key)
+        match = _sdy_values(text)[0]
+        replaced = f"<@{self.mesh_name}, [{_sdy_dims_text(dims)}]{match.group(3)}>"
+        _set_frontend_attribute(instr, key, text[:match.start()] + replaced + text[match.end():])
+        instr.attrs["sharding"] = self._gspmd(dims)
+
+    def _gspmd(self, dims: list[list[str]], dimension: int | None = None) -> Sharding:
+        """The HloSharding of Shardy's `dims` on this mesh (with the data axes added on
+        `dimension` when given): a tile per dimension, the axes no dimension uses replicated."""
+        if dimension is not None:
+            dims = [list(d) for d in dims]
+            dims[dimension] = list(self.data_axes)
+        used = [self.axes.index(a) for d in dims for a in d]
+        rest = [k for k in range(len(self.axes)) if k not in used]
+        tiles = [math.prod(self.sizes[self.axes.index(a)] for a in d) for d in dims]
+        copies = math.prod(self.sizes[k] for k in rest)
+        devices = self.devices.transpose(used + rest).reshape(-1).tolist()
+        if math.prod(tiles) == 1:
+            return Sharding.replicated()
+        if copies == 1:
+            return Sharding.tiled(tiles, devices)
+        return Sharding.tiled(tiles + [copies], devices, last_tile_dim_replicate=True)
 
 
 # -- instruction predicates ---------------------------------------------------------------------------
