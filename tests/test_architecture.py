@@ -24,14 +24,7 @@ PASSES = "xla_passes.passes"
 
 # Pass files that still import another pass, each with what it imports and why. Empty is the goal;
 # the test fails when an entry here no longer imports what it says (so that it is taken out).
-KNOWN_PASS_IMPORTS: dict[str, set[str]] = {
-    # collective-fusion builds the simplifier and the three combiners itself; it becomes a
-    # registered pipeline with the pass contract (issue 22, item 2), which another change owns.
-    "xla_passes.passes.collective_fusion": {
-        "xla_passes.passes.all_gather_combiner", "xla_passes.passes.all_reduce_combiner",
-        "xla_passes.passes.all_reduce_simplifier", "xla_passes.passes.reduce_scatter_combiner",
-    },
-}
+KNOWN_PASS_IMPORTS: dict[str, set[str]] = {}
 
 
 def module_files() -> dict[str, pathlib.Path]:

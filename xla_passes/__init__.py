@@ -7,11 +7,12 @@
 `xla-opt` runs pipelines from the command line; `XLA_PASSES=...` switches them
 on inside JAX without code changes (docs/passes.md, docs/enabling.md).
 """
-from .core import HloPass, PassError, register_pass
+from .core import HloPass, PassContext, PassError, PassPipeline, PassResult, register_pass
 from .pipeline import FixedPoint, Pipeline, parse_pipeline, run_passes
 from .registry import pass_class, registered_passes
 
 __all__ = [
-    "HloPass", "PassError", "register_pass", "registered_passes", "pass_class",
+    "HloPass", "PassContext", "PassResult", "PassPipeline", "PassError", "register_pass", "registered_passes",
+    "pass_class",
     "Pipeline", "FixedPoint", "parse_pipeline", "run_passes",
 ]

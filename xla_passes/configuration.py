@@ -23,7 +23,7 @@ import sys
 from collections.abc import Mapping
 
 from .core import PassError
-from .pipeline import abbreviated, parse_pipeline
+from .pipeline import Pipeline, abbreviated
 from .registry import registered_passes
 
 PRE_SCHEDULER = "pre_scheduler"
@@ -62,7 +62,8 @@ class Settings:
     """A checked configuration: building one validates the pipeline text and the stage.
 
     Frozen, so that a compile running in one thread never sees half of a change
-    made in another.
+    made in another. `pipeline` is the text parsed, once: each module's run takes
+    `pipeline.clone()`, fresh pass objects without parsing again.
     """
 
     passes: str
@@ -71,6 +72,7 @@ class Settings:
     strict: bool = False
     platforms: tuple[str, ...] | str | None = ALL_PLATFORMS
     check: bool = False      # translation validation of every changed module (xla_passes.validation)
+    pipeline: Pipeline = dataclasses.field(init=False, repr=False, compare=False)   # `passes`, parsed
 
     def __post_init__(self):
         platforms = ALL_PLATFORMS if self.platforms is None else self.platforms
@@ -81,7 +83,7 @@ class Settings:
         if self.stage not in STAGES:
             raise PassError(f"stage {self.stage!r} is not one of {', '.join(STAGES)}")
         try:
-            parse_pipeline(self.passes)
+            object.__setattr__(self, "pipeline", Pipeline(self.passes))
         except PassError as exc:
             message = f"{abbreviated(self.passes)} is not a valid pipeline: {exc}"
             if "valid passes" not in message:

@@ -9,19 +9,27 @@ A pass is a dataclass whose fields are its options::
         opcodes = {"all-reduce"}   # optional: what it acts on (see HloPass)
         threshold_bytes: int = 1 << 20
 
-        def run(self, module) -> bool:
+        def run(self, module, context=None) -> bool:
             ...   # edit the module in place; return whether anything changed
 
 `register_pass` makes the class a dataclass and files it under `name`, so that
 pipelines written as text (`"my-pass{threshold_bytes=1024},dce"`) can build it
 (`xla_passes.registry` looks passes up; this module imports no pass).
+
+The pass contract: a pipeline calls `run(module, context)` with the `PassContext` of the run (the
+platform's combiner thresholds, whether layouts are final, a cache of analyses), or `run(module)`
+for a pass whose `run` takes no context. `run` returns whether it changed the module, as a bool or
+as a `PassResult(changed, findings)`. A composite pass is a `PassPipeline`: options and the
+pipeline text of the passes it stands for, which the pipeline runs as one step under its name.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import typing
-from collections.abc import Callable, Collection, Mapping
-from typing import ClassVar
+from collections.abc import Callable, Collection, Hashable, Mapping
+from typing import Any, ClassVar
 
 import hlo_tools
 from hlo_tools import HloModule
@@ -49,6 +57,69 @@ class PassError(Exception):
         return f"{' '.join(where)}: {self.message}" if where else self.message
 
 
+@dataclasses.dataclass
+class PassContext:
+    """What a pipeline run hands every pass besides the module, in place of options set on pass objects.
+
+    combiner_thresholds: (bytes, operand count) a combiner uses where its own options are unset:
+      XLA's on the platform the JAX hook compiles for (`Pipeline(platform=...)`); None: the
+      offline defaults (`xla_passes.analysis.collectives.combiner_thresholds`).
+    layouts_final: the module's layouts are XLA's final ones (JAX's hook; see `Pipeline`).
+    platform: the platform compiled for, None offline.
+    """
+
+    combiner_thresholds: tuple[int, int] | None = None
+    layouts_final: bool = False
+    platform: str | None = None
+    _analyses: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
+
+    def analysis(self, key: Hashable, compute: Callable[[], Any]) -> Any:
+        """The analysis cached under `key` (e.g. `("combiner-scope", id(module))`), computed by
+        `compute()` when absent. The pipeline drops every entry after a pass that changed the
+        module, but those whose kind (`key[0]`) the pass names in `HloPass.preserves`."""
+        if key not in self._analyses:
+            self._analyses[key] = compute()
+        return self._analyses[key]
+
+    def invalidate(self, keep: Collection[Hashable] = ()) -> None:
+        """Forget every cached analysis but those whose kind (`key[0]`, or the key) is in `keep`."""
+        self._analyses = {key: value for key, value in self._analyses.items()
+                          if (key[0] if isinstance(key, tuple) else key) in keep}
+
+
+@dataclasses.dataclass(frozen=True)
+class PassResult:
+    """What a pass's `run` may return instead of a bool: whether it changed the module, and what it
+    found (report lines: the pipeline makes them the pass's `report`). True when `changed`."""
+
+    changed: bool
+    findings: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.changed)
+
+
+def run_pass(hlo_pass: "HloPass", module: HloModule, context: PassContext | None = None) -> PassResult:
+    """Run one pass with `context` when its `run` takes one; its result as a `PassResult`."""
+    result = hlo_pass.run(module, context) if _takes_context(type(hlo_pass)) else hlo_pass.run(module)
+    return result if isinstance(result, PassResult) else PassResult(bool(result))
+
+
+@functools.cache
+def _takes_context(cls: type) -> bool:
+    """Whether `cls.run` accepts a context as its second argument (passes written before the
+    contract define `run(self, module)`)."""
+    try:
+        parameters = list(inspect.signature(cls.run).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters):
+        return True
+    positional = [p for p in parameters if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                      inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 3 and positional[2].name == "context"
+
+
 class HloPass:
     """Base class of passes: subclasses set `name`, declare options as fields, define `run`.
 
@@ -67,9 +138,12 @@ class HloPass:
     # Whether the pass reasons about what plain `call`s compute (`jnp.linalg.norm` lowers to one):
     # the pipeline inlines them first, and takes the inlining back when the pass changes nothing.
     sees_into_calls: ClassVar[bool] = False
+    # The analyses (`PassContext.analysis` kinds) the pass leaves valid when it changes the module.
+    preserves: ClassVar[Collection[str]] = ()
 
-    def run(self, module: HloModule) -> bool:
-        """Rewrite `module` in place; return whether it changed."""
+    def run(self, module: HloModule, context: PassContext | None = None) -> bool | PassResult:
+        """Rewrite `module` in place; return whether it changed (a bool, or a `PassResult`).
+        `context`: the run's `PassContext`, None when run on its own."""
         raise NotImplementedError
 
     def could_change(self, count_of: Callable[[str], int]) -> bool:
@@ -156,6 +230,84 @@ def _convert(text: str, kind, key: str, pass_name: str):
         raise PassError(f"option {key}={text!r} is not a valid {type_name}", pass_name) from None
 
 
+class PassPipeline(HloPass):
+    """A composite pass: a registered name and options that stand for a pipeline of other passes.
+
+    Subclasses set `name`, declare options as fields (as a pass does) and define `pipeline_text()`,
+    the passes it runs given its options. `passes` are those passes, built on first use (fresh
+    objects for each instance); a `Pipeline` runs them as one step: one entry in its log, one dump,
+    rolled back together, reported under the composite's name. No pass file imports another.
+    """
+
+    # How text becomes passes and how a composite runs on its own: `xla_passes.pipeline` sets them
+    # when imported (it sits above this module and the passes, which must not import it).
+    parse_text: ClassVar[Callable[[str, tuple[str, ...]], list] | None] = None
+    run_on_its_own: ClassVar[Callable[["PassPipeline", HloModule, "PassContext | None"], bool] | None] = None
+
+    def pipeline_text(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def passes(self) -> list:
+        """The passes `pipeline_text()` names, built for this instance on first use."""
+        built = self.__dict__.get("_passes")
+        if built is None:
+            built = self.__dict__["_passes"] = type(self).parse_text(self.pipeline_text(), (self.name,))
+        return built
+
+    def build(self, enclosing: tuple[str, ...]) -> None:
+        """Build `passes` now, inside the composites named `enclosing` (which it must not name)."""
+        self.__dict__["_passes"] = type(self).parse_text(self.pipeline_text(), enclosing + (self.name,))
+
+    @property
+    def opcodes(self):  # type: ignore[override]
+        """The fewest instructions of each opcode that one of its passes acts on (None: any module)."""
+        merged: dict[str, int] = {}
+        for hlo_pass in self.all_passes():
+            if hlo_pass.opcodes is None:
+                return None
+            least = hlo_pass.opcodes if isinstance(hlo_pass.opcodes, Mapping) else dict.fromkeys(hlo_pass.opcodes, 1)
+            for opcode, count in least.items():
+                merged[opcode] = min(count, merged.get(opcode, count))
+        return merged
+
+    def all_passes(self) -> list[HloPass]:
+        """The passes it stands for, composites and groups opened up."""
+        return _opened(self.passes)
+
+    @property
+    def report(self) -> list[str]:
+        return [line for hlo_pass in self.all_passes() for line in getattr(hlo_pass, "report", None) or ()]
+
+    @property
+    def runs_at_jax_hook(self) -> bool:  # type: ignore[override]
+        return all(p.runs_at_jax_hook for p in self.all_passes())
+
+    @property
+    def sees_into_calls(self) -> bool:  # type: ignore[override]
+        return False   # each of its passes inlines what it needs
+
+    def could_change(self, count_of: Callable[[str], int]) -> bool:
+        return any(p.could_change(count_of) for p in self.all_passes())
+
+    def run(self, module: HloModule, context: PassContext | None = None) -> bool:
+        """Run it on its own: a `Pipeline` of this one step."""
+        return type(self).run_on_its_own(self, module, context)
+
+
+def _opened(items) -> list[HloPass]:
+    """Passes in order, with composites and fixed-point groups (anything else with `passes`) opened up."""
+    out = []
+    for item in items:
+        if isinstance(item, PassPipeline):
+            out.extend(item.all_passes())
+        elif isinstance(item, HloPass):
+            out.append(item)
+        else:
+            out.extend(_opened(item.passes))
+    return out
+
+
 _REGISTRY: dict[str, type[HloPass]] = {}
 
 
@@ -179,10 +331,8 @@ def passes_registered_so_far() -> dict[str, type[HloPass]]:
 
 
 def restore(module: HloModule, text: str) -> None:
-    """Make `module` (the same object) hold the module printed as `text` again."""
+    """Make `module` (the same object) hold the module printed as `text` again (a pipeline takes
+    back a step with `HloModule.checkpoint`, without text)."""
     fresh = hlo_tools.parse_module(text)
     fresh.layouts_final = module.layouts_final  # not in the text
-    module.__dict__.clear()
-    module.__dict__.update(fresh.__dict__)
-    for comp in module.computations:
-        comp.parent = module
+    module.replace_contents(fresh)

@@ -51,7 +51,6 @@ from hlo_tools.ir.errors import one_line
 from hlo_tools.garbage_collection import garbage_collection_paused
 
 from . import validation
-from .analysis.collectives import apply_platform_thresholds
 from .analysis.replica_groups import inferred_device_counts
 from .configuration import (ALL_PLATFORMS, CHECK_VARIABLE, DUMP_VARIABLE, POST_SCHEDULER, PRE_SCHEDULER,
                             STRICT_VARIABLE, ConfigurationError, Settings, check_requested, configured_settings)
@@ -175,7 +174,7 @@ def check_hook_passes(settings: Settings) -> None:
     Raises:
       ConfigurationError: names the passes and where they can run instead.
     """
-    refused = sorted({p.name for p in Pipeline(settings.passes).all_passes() if not p.runs_at_jax_hook})
+    refused = sorted({p.name for p in settings.pipeline.all_passes() if not p.runs_at_jax_hook})
     if refused:
         raise ConfigurationError(
             f"{settings.passes!r}: {', '.join(refused)} cannot run inside JAX's compile (the modules "
@@ -254,10 +253,9 @@ def rewrite_module(module_proto: bytes, settings: Settings, platform: str = "cpu
     name = "<unparsed>"
     start = time.perf_counter()
     try:
-        pipeline = Pipeline(settings.passes, dump_to=settings.dump_to, module_number=number, layouts_final=True,
-                            on_dump_error=_dump_failed,
-                            after_pass=_wrap_in_fusions if settings.stage == POST_SCHEDULER else None)
-        apply_platform_thresholds(pipeline.all_passes(), platform)
+        pipeline = settings.pipeline.clone(  # fresh passes, the text parsed once (in `settings`)
+            dump_to=settings.dump_to, module_number=number, layouts_final=True, on_dump_error=_dump_failed,
+            after_pass=_wrap_in_fusions if settings.stage == POST_SCHEDULER else None, platform=platform)
         if not settings.dump_to and not pipeline.could_change(functools.partial(proto_patch.opcode_count, module_proto)):
             logger.info("xla_passes: module_%04d %s: skipped, nothing the passes act on, in %.1f ms", number,
                         proto_patch.module_name(module_proto), 1e3 * (time.perf_counter() - start))
@@ -344,10 +342,9 @@ def _check(original: bytes, rewritten: bytes, module, pipeline: Pipeline, settin
 def _first_wrong_pass(original: bytes, settings: Settings, check) -> tuple[str, "validation.Verdict"] | None:
     """The first top-level item of the pipeline after which the module differs, and that verdict."""
     module = hlo_tools.parse_module(xla_bridge.hook_module_text(original), lazy_bodies=True)
-    pipeline = Pipeline(settings.passes)
-    apply_platform_thresholds(pipeline.all_passes(), "cpu")  # the check runs CPU compiles only
-    for item in pipeline.passes:
-        if Pipeline([item], layouts_final=True).run(module):
+    pipeline = settings.pipeline.clone()
+    for item in pipeline.passes:   # the check runs CPU compiles only
+        if Pipeline([item], layouts_final=True, platform="cpu").run(module):
             verdict = check(xla_bridge.text_to_proto(module.to_text()))
             if not verdict.ok:
                 return str(item), verdict
@@ -421,7 +418,7 @@ class PassJitted:
         import jax  # noqa: PLC0415
 
         self._jitted = jax.jit(fun, **jit_kwargs)
-        self._passes = str(pipeline)
+        self._pipeline = pipeline   # parsed once; each lowering runs a clone (fresh pass objects)
         self._strict = strict
         self._check = check
         self._static = _static_arguments(fun, jit_kwargs.get("static_argnums"), jit_kwargs.get("static_argnames"))
@@ -435,7 +432,7 @@ class PassJitted:
         text = xla_bridge.lowered_module_text(lowered)
         module = hlo_tools.parse_module(text)
         before = _entry_shardings(module)
-        pipeline = Pipeline(self._passes)
+        pipeline = self._pipeline.clone()
         try:
             changed = pipeline.run(module)
             if self._strict and pipeline.refusals():
@@ -471,7 +468,7 @@ class PassJitted:
         if self._strict:
             raise exc
         logger.warning("xla_passes.jax.jit: %s: %s: %s: %s; JAX compiles its own lowering (strict=True makes "
-                       "this an error)", name, self._passes, type(exc).__name__, one_line(str(exc)))
+                       "this an error)", name, self._pipeline, type(exc).__name__, one_line(str(exc)))
 
     def _compile(self, *args, **kwargs):
         lowered = self.lower(*args, **kwargs)

@@ -11,10 +11,16 @@ changed the module, the verifier checks what was edited since the module was
 parsed (`hlo_tools.ir.verifier.verify_edits`; `verify="full"` checks the whole
 module, `verify=False` nothing). A pass that raises, or that leaves a module
 the verifier refuses, leaves the module exactly as it was before that pass and
-raises `PassError` naming the pass (and the instruction, when known).
+raises `PassError` naming the pass (and the instruction, when known): the pipeline takes a
+`HloModule.checkpoint` before each pass (copies of the objects' state, no text) and restores it.
+
+Each pass gets the run's `PassContext` (`run(module, context)`): the platform's combiner
+thresholds, whether layouts are final, and analyses cached between passes that keep them valid.
+A composite pass (`PassPipeline`, e.g. `collective-fusion`) runs its passes as one step.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import re
@@ -25,9 +31,9 @@ from hlo_tools import HloModule
 from hlo_tools.xla.dump import module_file_name, sanitize_file_name, write_new, write_numbered
 from hlo_tools.ir.verifier import verify_edits, verify_module
 
-from .analysis.collectives import DIMENSIONED_COLLECTIVES, layout_problem
+from .analysis.collectives import DIMENSIONED_COLLECTIVES, layout_problem, platform_thresholds
 from .analysis.replica_groups import inferred_device_counts
-from .core import HloPass, PassError, restore
+from .core import HloPass, PassContext, PassError, PassPipeline, run_pass
 from .rewrites.inlining import inline_calls
 from .registry import pass_class
 
@@ -89,13 +95,16 @@ class Pipeline:
         hook; XLA:CPU would run the reshape as a fusion that copies the whole array).
       after_pass: called as `after_pass(pass_name, module)` after every pass that changed the
         module (`xla-opt --report --topology` prices each step there).
+      platform: the platform compiled for (JAX's hook: cpu, cuda, ...): combiners whose thresholds
+        are unset use XLA's there (`PassContext.combiner_thresholds`); None: offline defaults.
     """
 
     def __init__(self, passes, *, verify: bool | str = True, dump_to: str | None = None, module_number: int = 0,
-                 layouts_final: bool = False, on_dump_error=None, after_pass=None):
+                 layouts_final: bool = False, on_dump_error=None, after_pass=None, platform: str | None = None):
         if verify not in VERIFY_CHOICES:
             raise PassError(f"verify={verify!r}: expected True, {FULL!r} or False")
         self.passes = parse_pipeline(passes) if isinstance(passes, str) else list(passes)
+        self.platform = platform
         self.verify = verify
         self.dump_to = dump_to
         self.module_number = module_number
@@ -107,12 +116,29 @@ class Pipeline:
     def __str__(self) -> str:
         return ",".join(str(p) for p in self.passes)
 
-    def run(self, module: HloModule) -> bool:
-        """Run every pass on `module` in place; return whether any changed it."""
+    def clone(self, **options) -> "Pipeline":
+        """A pipeline of fresh pass objects (passes keep state from their last run: one module's run
+        each), with these options and `options` changed, without parsing its text again."""
+        fresh = copy.copy(self)
+        fresh.passes = copy.deepcopy(self.passes)
+        fresh.log = []
+        for key, value in options.items():
+            if not hasattr(self, key) or key == "passes":
+                raise TypeError(f"Pipeline.clone() got an unexpected option {key!r}")
+            setattr(fresh, key, value)
+        return fresh
+
+    def run(self, module: HloModule, context: PassContext | None = None) -> bool:
+        """Run every pass on `module` in place; return whether any changed it. `context`: the
+        `PassContext` every pass gets (default: one for this run, from `platform` and the module)."""
         self.log = []
         self._dump_count = 0
         self.dump_number = self.module_number  # the NNNN the dumps got (see `dump_to`)
         module.layouts_final |= self.layouts_final
+        if context is None:
+            context = PassContext(combiner_thresholds=platform_thresholds(self.platform),
+                                  layouts_final=module.layouts_final, platform=self.platform)
+        self.context = context
         if self.dump_to:
             self._dump(module, "before_xla_passes")
         return self._run_list(self.passes, module)
@@ -135,20 +161,18 @@ class Pipeline:
         return changed
 
     def _run_pass(self, hlo_pass: HloPass, module: HloModule) -> bool:
-        snapshot = module.to_text()
+        checkpoint = module.checkpoint()   # no text: the walk to XLA prints a changed module once
         start = time.perf_counter()
         try:
-            inlined = hlo_pass.sees_into_calls and inline_calls(module)
-            changed = bool(hlo_pass.run(module))
-            if inlined and not changed:
-                restore(module, snapshot)   # the calls back as they were: the module is unchanged
+            changed = self._apply(hlo_pass, module, checkpoint)
             if changed and self.verify:
                 _verify_after(hlo_pass, module, full=self.verify == FULL)
             if changed and module.layouts_final:
                 _check_collective_layouts(hlo_pass, module)
                 _bitcasts_for_reshapes(module)
         except BaseException as exc:
-            restore(module, snapshot)
+            checkpoint.restore()
+            self.context.invalidate()
             if isinstance(exc, PassError):
                 if exc.pass_name is None:
                     exc.pass_name = hlo_pass.name
@@ -162,6 +186,35 @@ class Pipeline:
         if self.dump_to:
             self._dump(module, f"after_{hlo_pass.name}", numbered=True, notes=pass_report(hlo_pass))
         return changed
+
+    def _apply(self, item, module: HloModule, checkpoint=None) -> bool:
+        """Run one pass, or each pass of a composite (`PassPipeline`) in turn, with the run's
+        context; whether any changed the module. `checkpoint`: the module as it is now, if taken."""
+        if isinstance(item, PassPipeline):
+            changed = False
+            for inner in item.passes:
+                if isinstance(inner, FixedPoint):
+                    for _ in range(inner.max_iterations):
+                        if not any([self._apply(p, module) for p in inner.passes]):
+                            break
+                        changed = True
+                else:
+                    changed |= self._apply(inner, module)
+            return changed
+        context = self.context
+        inlined = False
+        if item.sees_into_calls:
+            checkpoint = checkpoint or module.checkpoint()
+            inlined = inline_calls(module)
+        result = run_pass(item, module, context)
+        if result.findings:
+            item.report = list(result.findings)
+        if inlined and not result.changed:
+            checkpoint.restore()   # the calls back as they were: the module is unchanged
+            context.invalidate()
+        elif result.changed or inlined:
+            context.invalidate(keep=() if inlined else item.preserves)
+        return bool(result.changed)
 
     def could_change(self, count_of) -> bool:
         """Whether some pass could change a module with at most `count_of(opcode)` instructions of each opcode.
@@ -252,7 +305,8 @@ def _check_collective_layouts(hlo_pass: HloPass, module: HloModule) -> None:
 
 
 def run_passes(module: HloModule, passes, **options) -> bool:
-    """Run pipeline text (or pass objects) on `module` in place; return whether it changed."""
+    """Run pipeline text (or pass objects) on `module` in place; return whether it changed
+    (`options`: those of `Pipeline`, e.g. `platform="cpu"`)."""
     return Pipeline(passes, **options).run(module)
 
 
@@ -270,18 +324,21 @@ def abbreviated(text: str, limit: int = 100) -> str:
     return f"{text[:keep]!r}...({len(text) - 2 * keep} characters)...{text[-keep:]!r}"
 
 
-def parse_pipeline(text: str) -> list:
-    """Pipeline text -> a list of `HloPass` and `FixedPoint` objects (PassError when malformed)."""
+def parse_pipeline(text: str, _composites: tuple[str, ...] = ()) -> list:
+    """Pipeline text -> a list of `HloPass` and `FixedPoint` objects (PassError when malformed).
+
+    A composite pass (`PassPipeline`) comes with its passes built from its `pipeline_text()`."""
     if not text.strip():
         raise PassError("empty pipeline: name at least one pass")
-    return _PipelineParser(text).items(closing=None)
+    return _PipelineParser(text, _composites).items(closing=None)
 
 
 class _PipelineParser:
-    def __init__(self, text: str):
+    def __init__(self, text: str, composites: tuple[str, ...] = ()):
         self.text = text
         self.pos = 0
         self.depth = 0  # fixed-point groups open at `pos`
+        self.composites = composites  # the composite passes whose text this is, outermost first
 
     def error(self, message: str) -> PassError:
         return PassError(f"pipeline {abbreviated(self.text)}, column {self.pos + 1}: {message}")
@@ -334,7 +391,13 @@ class _PipelineParser:
             group = self.items(closing=")")
             self.depth -= 1
             return FixedPoint(group, limit)
-        return pass_class(name).from_options(options)
+        hlo_pass = pass_class(name).from_options(options)
+        if isinstance(hlo_pass, PassPipeline):
+            if name in self.composites or len(self.composites) == MAX_FIXED_POINT_NESTING:
+                raise PassError(f"composite pass {name} names itself (through {', '.join(self.composites)})"
+                                if name in self.composites else "composite passes nest too deep", name)
+            hlo_pass.build(self.composites)
+        return hlo_pass
 
     def options(self) -> dict[str, str]:
         self.pos += 1  # '{'
@@ -387,3 +450,11 @@ def _bitcasts_for_reshapes(module: HloModule) -> None:
                 instr.replace_all_uses_with(bitcast)
                 comp.remove_instruction(instr)
                 bitcast.rename(instr.name)
+
+
+def _run_composite_on_its_own(composite: PassPipeline, module: HloModule, context: PassContext | None) -> bool:
+    return Pipeline([composite]).run(module, context)
+
+
+PassPipeline.parse_text = staticmethod(parse_pipeline)
+PassPipeline.run_on_its_own = staticmethod(_run_composite_on_its_own)

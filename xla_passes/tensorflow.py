@@ -52,7 +52,7 @@ def configured_pipeline(module_number: int = 0) -> Pipeline | None:
     settings = configured_settings()
     if settings is None:
         return None
-    return Pipeline(settings.passes, dump_to=settings.dump_to, module_number=module_number)
+    return settings.pipeline.clone(dump_to=settings.dump_to, module_number=module_number)
 
 
 def function(fn=None, *, passes: str | None = None, dump_to: str | None = None):
@@ -139,7 +139,7 @@ class Function:
             return None, False
         if settings is None:
             return None, False
-        return Pipeline(settings.passes, dump_to=settings.dump_to, module_number=number), settings.strict
+        return settings.pipeline.clone(dump_to=settings.dump_to, module_number=number), settings.strict
 
     def _trace(self, args, kwargs):
         """The call's arguments bound as TF binds them (defaults filled in), and its concrete function.

@@ -7,6 +7,9 @@ Editing:  `comp.add_instruction(...)`, `instr.replace_all_uses_with(other)`, `in
           `comp.remove_dead_code()`, `module.clone_computation(comp)`. Every edit marks what it touched;
           printing regenerates exactly those parts in XLA's style and copies everything else from the
           source text.
+Undoing:  `saved = module.checkpoint()` ... `saved.restore()` puts back every computation and
+          instruction as it was, the same objects, without printing or parsing anything;
+          `module.replace_contents(other)` makes a module hold another (a reparsed text).
 
 A module parsed with `parse_module(text, lazy_bodies=True)` keeps the bodies of its non-entry
 computations as source text until something reads them (`comp.instructions`, `comp.root`, ...),
@@ -21,8 +24,8 @@ from hlo_tools.ir.attributes import COMPUTATION_ATTRS, CONTROL_PREDECESSORS, Nam
 from hlo_tools.ir.printer import entry_computation_layout, print_instruction, print_module
 from hlo_tools.ir.shape import Shape
 
-__all__ = ["HloInstruction", "HloComputation", "HloModule", "COMPUTATION_ATTRS", "CONTROL_PREDECESSORS",
-           "defined_names"]
+__all__ = ["HloInstruction", "HloComputation", "HloModule", "ModuleCheckpoint", "COMPUTATION_ATTRS",
+           "CONTROL_PREDECESSORS", "defined_names"]
 
 # Lines of a computation's body (which starts with a line break) that define an instruction:
 # `[ROOT] [%]name =`. The leading `\n` lets the regex engine jump from line to line.
@@ -845,6 +848,20 @@ class HloModule:
             self._dirty = True
         return bool(dead)
 
+    def checkpoint(self) -> "ModuleCheckpoint":
+        """What the module holds now, to put back with `restore()` (a pass that failed, a rewrite
+        taken back): one shallow copy of each object's state, no text printed or parsed. A
+        computation still unparsed (`lazy_bodies`) is saved as its source text and stays unparsed."""
+        return ModuleCheckpoint(self)
+
+    def replace_contents(self, other: "HloModule") -> None:
+        """Make this module (the same object) hold what `other` holds: its header, computations and
+        source text. `other` is used up (its computations now belong here)."""
+        self.__dict__.clear()
+        self.__dict__.update(other.__dict__)
+        for comp in self.computations:
+            comp.parent = self
+
     def set_attr(self, key: str, value):
         """Set a header attribute (e.g. `replica_count`)."""
         self.attrs[key] = value
@@ -860,3 +877,62 @@ class HloModule:
 
     def __str__(self):
         return self.to_text()
+
+
+# The containers each object's checkpoint copies (the rest of its state is immutable values or
+# references to objects that the checkpoint saves on their own).
+_MODULE_CONTAINERS = {"attrs": dict, "computations": list, "_names": set, "_unclaimed": list, "_gaps": dict}
+_COMPUTATION_CONTAINERS = {"instructions": list, "_gaps": dict}
+_INSTRUCTION_CONTAINERS = {"_operands": list, "users": list}
+
+
+def _saved_state(obj, containers: dict) -> dict:
+    state = dict(obj.__dict__)
+    for key, kind in containers.items():
+        if key in state:
+            state[key] = kind(state[key])
+    return state
+
+
+def _load_state(obj, state: dict, containers: dict) -> None:
+    obj.__dict__.clear()
+    obj.__dict__.update(state)
+    for key, kind in containers.items():
+        if key in state:
+            obj.__dict__[key] = kind(state[key])
+
+
+class ModuleCheckpoint:
+    """A module's state as `HloModule.checkpoint` took it; `restore()` puts it back (any number of
+    times). Attribute values (shapes, literals, parsed attributes) are shared, not copied: edits
+    replace them, never change them in place."""
+
+    __slots__ = ("module", "_module_state", "_computations", "_instructions")
+
+    def __init__(self, module: HloModule):
+        self.module = module
+        self._module_state = _saved_state(module, _MODULE_CONTAINERS)
+        self._computations = []
+        self._instructions = []
+        for comp in module.computations:
+            state = _saved_state(comp, _COMPUTATION_CONTAINERS)
+            state.pop("_control_successors", None)   # indexes, rebuilt on first use
+            state.pop("_last_insert", None)
+            self._computations.append((comp, state))
+            if comp.parsed:
+                for instr in comp.instructions:
+                    state = _saved_state(instr, _INSTRUCTION_CONTAINERS)
+                    state["attrs"] = dict(instr.attrs)
+                    self._instructions.append((instr, state))
+
+    def restore(self) -> None:
+        """Make the module hold again exactly what it held at the checkpoint (the same objects: its
+        computations and instructions; whatever was added since is dropped)."""
+        _load_state(self.module, self._module_state, _MODULE_CONTAINERS)
+        for comp, state in self._computations:
+            _load_state(comp, state, _COMPUTATION_CONTAINERS)
+            comp._control_successors = None
+            comp._last_insert = None
+        for instr, state in self._instructions:
+            _load_state(instr, state, _INSTRUCTION_CONTAINERS)
+            instr.attrs = _AttrDict(instr, state["attrs"])

@@ -167,11 +167,33 @@ def test_pipeline_text_builds_each_combiner_with_its_options():
 @pytest.mark.parametrize("platform, threshold_bytes", [("cpu", 2**63 - 1), ("cuda", 30 << 20), ("tpu", 30 << 20)])
 def test_platform_thresholds_fill_in_only_what_is_unset(platform, threshold_bytes):
     """What the JAX hook does with the platform it compiles for: XLA's thresholds there, unless
-    the pipeline gives its own."""
+    the pipeline gives its own. The platform's come in the run's `PassContext`; no option of a
+    pass object is set (the pipeline's passes stay as parsed)."""
     passes = xla_passes.parse_pipeline("collective-fusion,all-gather-combiner{threshold_bytes=64},dce")
-    collectives.apply_platform_thresholds(passes, platform)
-    assert (passes[0].threshold_bytes, passes[0].threshold_count) == (threshold_bytes, 256)
-    assert (passes[1].threshold_bytes, passes[1].threshold_count) == (64, 256)
+    context = xla_passes.PassContext(combiner_thresholds=collectives.platform_thresholds(platform))
+    combiners = [*passes[0].passes[1:], passes[1]]   # collective-fusion's three, and the one given 64
+    assert [collectives.combiner_thresholds(p, context) for p in combiners] == [
+        {"threshold_bytes": threshold_bytes, "threshold_count": 256}] * 3 + [
+        {"threshold_bytes": 64, "threshold_count": 256}]
+    assert (passes[0].threshold_bytes, passes[0].threshold_count) == (None, None)
+    assert [p.threshold_bytes for p in combiners] == [None, None, None, 64]
+
+
+def test_the_pipeline_hands_the_platform_thresholds_to_the_combiners():
+    """`Pipeline(platform=...)` puts them in the context each pass's `run(module, context)` gets."""
+    seen = []
+
+    class Spy(xla_passes.HloPass):
+        name = "test-spy"
+
+        def run(self, module, context=None):
+            seen.append(context.combiner_thresholds)
+            return False
+
+    module = hlo_tools.parse_module(PER_DEVICE)
+    xla_passes.Pipeline([Spy()], platform="cpu").run(module)
+    xla_passes.Pipeline([Spy()]).run(module)
+    assert seen == [(2**63 - 1, 256), None]   # None offline: the combiners' defaults (GPU's)
 
 
 @pytest.mark.parametrize("platform, combined", [("cpu", 1), ("cuda", 4)])
@@ -184,9 +206,7 @@ def test_94_mb_of_gradients_combine_as_xla_does_on_the_platform(platform, combin
     lines.append(f"ROOT t = ({', '.join(['f32[2457600]'] * 10)}) tuple({', '.join('r' + n for n in names)})")
     module = hlo_tools.parse_module("HloModule resnet_sized, replica_count=8\n" + REDUCERS
                                     + "\nENTRY main {\n  " + "\n  ".join(lines) + "\n}\n")
-    passes = xla_passes.parse_pipeline("collective-fusion")
-    collectives.apply_platform_thresholds(passes, platform)
-    xla_passes.run_passes(module, passes)
+    xla_passes.run_passes(module, "collective-fusion", platform=platform)
     assert counts(module)["all-reduce"] == combined
 
 

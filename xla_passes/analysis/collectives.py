@@ -209,20 +209,18 @@ OFFLINE_THRESHOLDS = GPU_THRESHOLDS
 THRESHOLD_OPTIONS = ("threshold_bytes", "threshold_count")
 
 
-def combiner_thresholds(hlo_pass) -> dict[str, int]:
-    """A combiner pass's `threshold_bytes` and `threshold_count`, the offline defaults where unset (None)."""
+def combiner_thresholds(hlo_pass, context=None) -> dict[str, int]:
+    """A combiner pass's `threshold_bytes` and `threshold_count`, where unset (None) the run's
+    (`PassContext.combiner_thresholds`: the platform's at the JAX hook), else the offline defaults."""
+    defaults = getattr(context, "combiner_thresholds", None) or OFFLINE_THRESHOLDS
     return {option: default if getattr(hlo_pass, option) is None else getattr(hlo_pass, option)
-            for option, default in zip(THRESHOLD_OPTIONS, OFFLINE_THRESHOLDS)}
+            for option, default in zip(THRESHOLD_OPTIONS, defaults)}
 
 
-def apply_platform_thresholds(passes: Iterable, platform: str) -> None:
-    """Give every combiner among `passes` the thresholds XLA uses on `platform` where its own
-    are unset (what the JAX hook does: it knows the platform it compiles for)."""
-    defaults = PLATFORM_THRESHOLDS.get(platform, OFFLINE_THRESHOLDS)
-    for hlo_pass in passes:
-        for option, default in zip(THRESHOLD_OPTIONS, defaults):
-            if getattr(hlo_pass, option, default) is None:
-                setattr(hlo_pass, option, default)
+def platform_thresholds(platform: str | None) -> tuple[int, int] | None:
+    """XLA's combiner thresholds on `platform` (what the JAX hook compiles for; see
+    `PLATFORM_THRESHOLDS`); None offline (no platform), where the combiners use `OFFLINE_THRESHOLDS`."""
+    return PLATFORM_THRESHOLDS.get(platform, OFFLINE_THRESHOLDS) if platform else None
 
 
 # -- grouping ------------------------------------------------------------------------------------------
@@ -364,6 +362,18 @@ def combiner_scope(module: HloModule) -> CombinerScope:
         if _CONSTRAIN_LAYOUT in instr.attrs and attr_bool(instr.attrs, _CONSTRAIN_LAYOUT):
             constrained.add(opcode.removesuffix("-start"))
     return CombinerScope([c for c in module.computations if c not in wrapped], constrained)
+
+
+# The kind of `combiner_scope` in a `PassContext`'s cache (combiners keep it valid: `HloPass.preserves`).
+COMBINER_SCOPE = "combiner-scope"
+
+
+def cached_combiner_scope(module: HloModule, context=None) -> CombinerScope:
+    """`combiner_scope(module)`, computed once for the passes of a pipeline run that keep it valid
+    (the combiners of collective-fusion: one walk for all three)."""
+    if context is None:
+        return combiner_scope(module)
+    return context.analysis((COMBINER_SCOPE, id(module)), lambda: combiner_scope(module))
 
 
 def combinable_computations(module: HloModule) -> list[HloComputation]:

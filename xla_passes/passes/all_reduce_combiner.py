@@ -61,9 +61,9 @@ from collections.abc import Sequence
 from hlo_tools import HloInstruction, HloModule
 from hlo_tools.ir.shape import DTYPE_BITS, FLOAT_DTYPES
 
-from ..analysis.collectives import (CombinerScope, collective_key, combine_all_reduces_flat, combine_collectives,
-                                    combiner_thresholds, in_shardy_body, run_combiner)
-from ..core import HloPass, register_pass
+from ..analysis.collectives import (COMBINER_SCOPE, cached_combiner_scope, collective_key, combine_all_reduces_flat,
+                                    combine_collectives, combiner_thresholds, in_shardy_body, run_combiner)
+from ..core import HloPass, PassContext, register_pass
 
 
 # Float element types XLA sums in a wider type (and may skip a rounding of, see above).
@@ -79,10 +79,13 @@ class AllReduceCombiner(HloPass):
     threshold_bytes: int | None = None
     threshold_count: int | None = None
 
-    def run(self, module: HloModule, scope: CombinerScope | None = None) -> bool:
-        """`scope`: `combiner_scope(module)`, when the caller (collective-fusion) has it already."""
+    preserves = (COMBINER_SCOPE,)   # no fusion or async op added or removed
+
+    def run(self, module: HloModule, context: PassContext | None = None) -> bool:
+        """Thresholds left unset are the context's (the platform's), else the offline defaults."""
         return run_combiner(module, "all-reduce", all_reduce_key, combine_all_reduces,
-                            **combiner_thresholds(self), scope=scope)
+                            **combiner_thresholds(self, context),
+                            scope=cached_combiner_scope(module, context))
 
 
 def all_reduce_key(instr: HloInstruction) -> tuple | None:

@@ -24,40 +24,36 @@ value, or the value times the group size), then `all-gather-combiner`, `all-redu
 Simplifying first is what lets a `shard_map` + `pmean` step combine: each gradient's second
 all-reduce reads its first, and the chain of them would otherwise keep every group at one
 member. `simplify=false` runs the combiners alone.
+
+A registered pipeline (`PassPipeline`): it names the four passes, which the pipeline builds and
+runs as one step called collective-fusion (one log entry, one dump, rolled back together); the
+combiners share one `combiner_scope` through the run's `PassContext`.
 """
 from __future__ import annotations
 
-from hlo_tools import HloModule
-
-from ..analysis.collectives import combiner_scope
-from ..core import HloPass, register_pass
-from .all_gather_combiner import AllGatherCombiner
-from .all_reduce_combiner import AllReduceCombiner
-from .all_reduce_simplifier import AllReduceSimplifier
-from .reduce_scatter_combiner import ReduceScatterCombiner
+from ..core import PassPipeline, register_pass
 
 
 @register_pass
-class CollectiveFusion(HloPass):
+class CollectiveFusion(PassPipeline):
     """Remove redundant all-reduces, then combine all-gathers, all-reduces and reduce-scatters."""
 
     name = "collective-fusion"
-    opcodes = {"all-gather": 2, "all-reduce": 1, "reduce-scatter": 2}
     threshold_bytes: int | None = None
     threshold_count: int | None = None
     combine_by_dim: bool = True
     simplify: bool = True
 
-    def __post_init__(self):
-        self.report: list[str] = []
+    def pipeline_text(self) -> str:
+        thresholds = [f"{option}={value}" for option, value in (("threshold_bytes", self.threshold_bytes),
+                                                                 ("threshold_count", self.threshold_count))
+                      if value is not None]
+        by_dim = thresholds + ([] if self.combine_by_dim else ["combine_by_dim=false"])
+        passes = ["all-reduce-simplifier"] if self.simplify else []
+        passes += [_with_options("all-gather-combiner", by_dim), _with_options("all-reduce-combiner", thresholds),
+                   _with_options("reduce-scatter-combiner", by_dim)]
+        return ",".join(passes)
 
-    def run(self, module: HloModule) -> bool:
-        simplifier = AllReduceSimplifier()
-        changed = simplifier.run(module) if self.simplify else False
-        self.report = simplifier.report
-        thresholds = {"threshold_bytes": self.threshold_bytes, "threshold_count": self.threshold_count}
-        scope = combiner_scope(module)  # the combiners change no fusion or async op: one walk for all three
-        changed |= AllGatherCombiner(**thresholds, combine_by_dim=self.combine_by_dim).run(module, scope)
-        changed |= AllReduceCombiner(**thresholds).run(module, scope)
-        changed |= ReduceScatterCombiner(**thresholds, combine_by_dim=self.combine_by_dim).run(module, scope)
-        return changed
+
+def _with_options(name: str, options: list[str]) -> str:
+    return f"{name}{{{','.join(options)}}}" if options else name

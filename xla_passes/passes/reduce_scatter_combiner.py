@@ -25,9 +25,9 @@ from functools import partial
 
 from hlo_tools import HloModule
 
-from ..analysis.collectives import (CombinerScope, combine_along_most_frequent_dimension, combiner_thresholds,
-                                    run_combiner, tuple_combinable_key)
-from ..core import HloPass, register_pass
+from ..analysis.collectives import (COMBINER_SCOPE, cached_combiner_scope, combine_along_most_frequent_dimension,
+                                    combiner_thresholds, run_combiner, tuple_combinable_key)
+from ..core import HloPass, PassContext, register_pass
 
 
 @register_pass
@@ -40,7 +40,10 @@ class ReduceScatterCombiner(HloPass):
     threshold_count: int | None = None
     combine_by_dim: bool = True
 
-    def run(self, module: HloModule, scope: CombinerScope | None = None) -> bool:
-        """`scope`: `combiner_scope(module)`, when the caller (collective-fusion) has it already."""
+    preserves = (COMBINER_SCOPE,)   # no fusion or async op added or removed
+
+    def run(self, module: HloModule, context: PassContext | None = None) -> bool:
+        """Thresholds left unset are the context's (the platform's), else the offline defaults."""
         return run_combiner(module, "reduce-scatter", partial(tuple_combinable_key, by_dimension=self.combine_by_dim),
-                            combine_along_most_frequent_dimension, **combiner_thresholds(self), scope=scope)
+                            combine_along_most_frequent_dimension, **combiner_thresholds(self, context),
+                            scope=cached_combiner_scope(module, context))
