@@ -140,7 +140,7 @@ def weight_shapes(draw, dtype: str) -> tuple[int, ...]:
 # --- JAX training steps -------------------------------------------------------------------------------
 
 STYLES = ("shard_map", "named_sharding", "pmap")
-OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "clipped_adam")
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "clipped_adam", "lamb", "lars", "adafactor")
 DTYPES = ("float32", "bfloat16")
 # The loss's dtype: float32 weights are cast to any of these, bfloat16 ones to the first two
 # (hypothesis starts from the first).
@@ -216,7 +216,12 @@ def _optimizer(name: str):
             "momentum": lambda: optax.sgd(0.1, momentum=0.9),
             "adam": lambda: optax.adam(1e-2),
             "adamw": lambda: optax.adamw(1e-2, weight_decay=1e-2),
-            "clipped_adam": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))}[name]()
+            "clipped_adam": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)),
+            # The seeds' large-batch optimizers: per-tensor trust ratios (norms in calls of
+            # jnp.linalg.norm) and Adafactor's factored second moments (row and column means).
+            "lamb": lambda: optax.lamb(1e-2),
+            "lars": lambda: optax.lars(1e-2),
+            "adafactor": lambda: optax.adafactor(1e-2)}[name]()
 
 
 def _stacked_layers(w, x, control: str):
