@@ -13,7 +13,7 @@ import pytest
 
 from test_architecture import ROOT, module_files
 
-ZOO = ("xla_passes.models", "xla_passes.training", "xla_passes.demo")
+ZOO = ("xla_passes.models", "xla_passes.training", "xla_passes.demo", "xla_passes.zoo_dependencies")
 NOT_IMPORTED = {"hlo_tools.__main__"}  # runs the command line when imported
 WITHOUT_FLAX = "import sys\nsys.modules['flax'] = sys.modules['optax'] = None\n"
 INSTALL = "pip install 'xla-passes[demo]'"

@@ -20,14 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-try:  # the zoo's own dependencies, which the `demo` extra installs
-    import flax.linen as nn
-    import optax
-except ImportError as missing:
-    if (missing.name or "").partition(".")[0] not in ("flax", "optax"):
-        raise
-    raise ImportError(f"{__name__} needs flax and optax, which the demo extra installs: "
-                      "pip install 'xla-passes[demo]' (from a checkout: pip install -e '.[demo]')") from None
+from .zoo_dependencies import nn, optax
 
 import hlo_tools
 import xla_passes.jax
