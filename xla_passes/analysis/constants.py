@@ -3,7 +3,9 @@
 - `scalar_constant`: a scalar constant or a broadcast of one (the all-reduce simplifier's
   `x / n` and `x * (1/n)`);
 - `folded_scalar_constant`: a scalar constant expression, folded (distributed-batch-norm's
-  counts, which `jnp.var` computes as `108 - 0`).
+  counts, which `jnp.var` computes as `108 - 0`);
+- `constant_array`: the array of a constant, also through converts (weight-update-sharding's
+  reducer identities, which TF converts: `reduce(x, convert(constant(0)))`).
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import math
 import numpy as np
 
 from hlo_tools import HloInstruction
+from hlo_tools.ir.literal import numpy_dtype
 
 # Opcodes that change only the shape of a one-element value.
 UNIT_SHAPE_OPS = frozenset({"reshape", "bitcast"})
@@ -50,3 +53,17 @@ def folded_scalar_constant(instr: HloInstruction, depth: int = 0) -> float | Non
             return None
         return float(_FOLDED[instr.opcode](np.float64(a), np.float64(b)))
     return None
+
+
+def constant_array(instr: HloInstruction) -> np.ndarray | None:
+    """The value of a constant, also through the converts TF puts between a constant and its use
+    (`reduce(x, convert(constant(0)))`); None when `instr` is not one."""
+    if instr.opcode == "convert":
+        value = constant_array(instr.operand(0))
+        return None if value is None else np.asarray(value).astype(numpy_dtype(instr.shape.dtype))
+    if instr.opcode != "constant" or instr.literal is None:
+        return None
+    try:
+        return instr.literal.to_numpy()
+    except ValueError:
+        return None

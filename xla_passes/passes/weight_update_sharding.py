@@ -64,10 +64,12 @@ from hlo_tools.ir.shape import FLOAT_DTYPES
 from hlo_tools.ir.shape_inference import infer_shape
 
 from ..analysis.collectives import reducer_opcode, slices_are_contiguous
+from ..analysis.constants import constant_array
 from ..analysis.replica_groups import DeviceCounts
 from ..analysis.replication_analysis import (SDY_SHARDING_VALUE, REPLICA_IDS, ReplicationAnalysis, parse_sdy_meshes,
                                             participants)
 from ..core import HloPass, register_pass
+from ..rewrites.inlining import inline
 
 logger = logging.getLogger("xla_passes")
 
@@ -1778,7 +1780,7 @@ def _block_reduction_opcode(instr: HloInstruction, fused: HloComputation | None 
 
 
 def _is_identity(instr: HloInstruction, opcode: str) -> bool:
-    value = _constant_value(instr)
+    value = constant_array(instr)
     return value is not None and bool(np.asarray(value == _REDUCER_IDENTITY[opcode]).all())
 
 
@@ -1831,19 +1833,12 @@ def _is_collapsible(instr: HloInstruction) -> bool:
 
 
 def _inline_fusion(fusion: HloInstruction) -> None:
-    """Replace `fusion` by the instructions of its fused computation."""
-    comp = fusion.parent
-    fused = fusion.attrs["calls"]
-    mapping = {fused.parameter(i): operand for i, operand in enumerate(fusion.operands)}
-    for instr in fused.post_order():
-        if instr not in mapping:
-            mapping[instr] = comp.add_instruction(instr.opcode, [mapping[o] for o in instr.operands], instr.shape,
-                                                  name=instr.name, attrs=dict(instr.attrs), before=fusion,
-                                                  literal=instr.literal)
-    fusion.replace_all_uses_with(mapping[fused.root])
-    comp.remove_instruction(fusion)
-    if not comp.parent.callers().get(fused):
-        comp.parent.remove_computation(fused)
+    """Replace `fusion` by the instructions of its fused computation, which goes when no other
+    fusion calls it."""
+    module, fused = fusion.parent.parent, fusion.attrs["calls"]
+    inline(fusion, fused)
+    if not module.callers().get(fused):
+        module.remove_computation(fused)
 
 
 def _full_reduction_of(user: HloInstruction, member: HloInstruction, fusion: HloInstruction | None = None) -> bool:
@@ -1861,20 +1856,6 @@ def _full_reduction_of(user: HloInstruction, member: HloInstruction, fusion: Hlo
     if fusion is not None and init.opcode == "parameter" and init.parent is fusion.attrs["calls"]:
         init = fusion.operand(init.parameter_number)
     return _is_identity(init, opcode)
-
-
-def _constant_value(instr: HloInstruction):
-    """The value of a constant, also through the converts TF puts between a constant and its
-    use (`reduce(x, convert(constant(0)))`); None when `instr` is not one."""
-    if instr.opcode == "convert":
-        value = _constant_value(instr.operand(0))
-        return None if value is None else np.asarray(value).astype(numpy_dtype(instr.shape.dtype))
-    if instr.opcode != "constant" or instr.literal is None:
-        return None
-    try:
-        return instr.literal.to_numpy()
-    except ValueError:
-        return None
 
 
 def _connected_components(members: set) -> list[set]:
