@@ -202,6 +202,8 @@ def test_a_pass_changes_no_module_it_says_it_cannot_change():
     the module's opcode counts leave it nothing to do, running it changes nothing."""
     declaring = {}
     for name, cls in xla_passes.registered_passes().items():
+        if not cls.__module__.startswith("xla_passes."):
+            continue  # a test's own pass
         try:
             declaring[name] = cls()
         except (PassError, TypeError, ValueError):
