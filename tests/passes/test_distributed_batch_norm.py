@@ -217,6 +217,17 @@ def test_refuses_group_size_that_does_not_divide():
     assert not changed and report == ["unchanged: group_size=3 does not divide the 8 devices along the batch axis"]
 
 
+def test_refuses_a_batch_split_over_a_sub_axis():
+    """Shardy's `"data":(1)2` is a part of the axis: the devices that share a batch are not those
+    along the axis, so the pass refuses (it read the sub-axis as the whole axis before)."""
+    text = _lowered_text().replace('<@mesh, [{\\"data\\"}, {}, {}, {}]>', '<@mesh, [{\\"data\\":(1)2}, {}, {}, {}]>')
+    assert '{\\"data\\":(1)2}' in text
+    changed, report = _report(text, "distributed-batch-norm{group_size=2}")
+    assert not changed
+    assert report == ['unchanged: shard_map operand 12 is split by something else than whole mesh axes (a sub-axis, '
+                      'an open dimension or a priority): {"data":(1)2}, {}, {}, {}']
+
+
 def test_refuses_a_module_without_a_batch():
     text = """HloModule nobatch, replica_count=2
 

@@ -22,9 +22,8 @@ from __future__ import annotations
 
 import re
 
-import numpy as np
-
 from hlo_tools import HloComputation, HloInstruction
+from hlo_tools.ir import sdy
 from hlo_tools.ir.attributes import Sharding
 
 from .replica_groups import DeviceCounts, GroupMode, group_mode, participant_groups
@@ -38,10 +37,6 @@ DEVICE_DEPENDENT = frozenset({
 _DEVICE_DEPENDENT_WORDS = tuple(sorted(DEVICE_DEPENDENT))
 _GROUP_UNIFORM_COLLECTIVES = frozenset({"all-reduce", "all-gather"})
 
-_SDY_MESH = re.compile(r'(\w+)\s*=\s*#sdy\.mesh<\[([^\]]*)\](?:\s*,\s*device_ids=\[([\d,\s]*)\])?>')
-_SDY_AXIS = re.compile(r'"(\w+)"\s*=\s*(\d+)')
-# One `<@mesh, [{"data"}, {}]...>` of an sdy sharding: (mesh name, per-dimension axes, the rest).
-SDY_SHARDING_VALUE = re.compile(r'<@(\w+)\s*,\s*\[([^\]]*)\]([^>]*)>')
 
 
 REPLICA_IDS = "replica"   # groups of replica ids (cross-replica collectives)
@@ -172,16 +167,16 @@ class ReplicationAnalysis:
         meshes = module_attributes.get("xla.sdy.meshes") if module_attributes is not None else None
         if in_shardings is None or meshes is None:
             return False
-        values = SDY_SHARDING_VALUE.findall(in_shardings)
+        values = sdy.values(in_shardings)
         if index >= len(values):
             return False
-        mesh_name, dims_text, rest = values[index]
-        mesh = parse_sdy_meshes(meshes).get(mesh_name)
+        mesh = sdy.meshes(meshes).get(values[index].mesh)
         if mesh is None:
             return False
-        axis_names, coordinates = mesh
-        split_axes = set(re.findall(r'"(\w+)"', dims_text))
-        split_axes |= set(re.findall(r'"(\w+)"', rest.partition("unreduced")[2]))
+        axis_names, coordinates = mesh.axes, mesh.coordinates
+        # Every axis named, a sub-axis's whole axis too: devices that differ on it may differ.
+        split_axes = set(re.findall(r'"(\w+)"', values[index].dims_text))
+        split_axes |= set(re.findall(r'"(\w+)"', values[index].rest.partition("unreduced")[2]))
         if not split_axes <= set(axis_names):
             return False
         which = [axis_names.index(a) for a in sorted(split_axes)]
@@ -195,20 +190,6 @@ class ReplicationAnalysis:
 
 def _is_global_to_local(instr: HloInstruction) -> bool:
     return instr.opcode == "custom-call" and instr.attrs.get("custom_call_target") == "xla.sdy.GlobalToLocalShape"
-
-
-def parse_sdy_meshes(text: str) -> dict[str, tuple[list[str], dict[int, tuple[int, ...]]]]:
-    """`{mesh = #sdy.mesh<["data"=2, "model"=4]>}` -> {name: (axis names, device -> coordinates)}."""
-    meshes = {}
-    for name, axes_text, device_ids in _SDY_MESH.findall(text):
-        axes = [(axis, int(size)) for axis, size in _SDY_AXIS.findall(axes_text)]
-        sizes = [size for _, size in axes]
-        count = int(np.prod(sizes)) if sizes else 1
-        ids = [int(x) for x in device_ids.split(",")] if device_ids.strip() else list(range(count))
-        coordinates = {device: tuple(int(c) for c in np.unravel_index(position, sizes)) if sizes else ()
-                       for position, device in enumerate(ids)}
-        meshes[name] = ([axis for axis, _ in axes], coordinates)
-    return meshes
 
 
 def _sharding_replicated(sharding: Sharding, groups: list[list[int]]):

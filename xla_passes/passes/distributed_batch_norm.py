@@ -82,13 +82,13 @@ from fractions import Fraction
 import numpy as np
 
 import hlo_tools
+from hlo_tools.ir import sdy
 from hlo_tools import HloComputation, HloInstruction, HloModule, Literal, ReplicaGroups, Shape, Sharding
 from hlo_tools.ir.opcodes import ELEMENTWISE
 from hlo_tools.ir.shape import FLOAT_DTYPES
 
 from ..analysis.collectives import reducer_opcode
 from ..analysis.constants import UNIT_SHAPE_OPS, folded_scalar_constant
-from ..analysis.replication_analysis import SDY_SHARDING_VALUE, parse_sdy_meshes
 from ..core import HloPass, register_pass, restore
 from ..rewrites.channel_ids import ChannelIds
 from ..rewrites.cse import eliminate_common_subexpressions
@@ -288,12 +288,14 @@ class DistributedBatchNorm(HloPass):
                 continue
             attributes = g2l.attrs.get("frontend_attributes")
             in_shardings = attributes.get("xla.sdy.in_shardings") if attributes is not None else None
-            values = SDY_SHARDING_VALUE.findall(in_shardings or "")
+            values = sdy.values(in_shardings or "")
             index = operand.attrs["index"]
             if index >= len(values):
                 raise Refusal(f"cannot read the in_shardings of shard_map operand {index}")
-            mesh_name, dims_text, _ = values[index]
-            per_dim = [re.findall(r'"(\w+)"', d) for d in re.findall(r"\{([^}]*)\}", dims_text)]
+            mesh_name, per_dim = values[index].mesh, sdy.dims(values[index].dims_text)
+            if per_dim is None:  # a sub-axis's groups are not the axis's: the statistics would mix
+                raise Refusal(f"shard_map operand {index} is split by something else than whole mesh axes "
+                              f"(a sub-axis, an open dimension or a priority): {values[index].dims_text}")
             split = [(d, axes) for d, axes in enumerate(per_dim) if axes]
             if not split:
                 continue
@@ -307,10 +309,10 @@ class DistributedBatchNorm(HloPass):
             raise Refusal("shard_map operands are split over different mesh axes")
         _, axis, mesh_name = next(iter(sources.values()))
         attributes = module.attrs.get("frontend_attributes")
-        meshes = parse_sdy_meshes(attributes.get("xla.sdy.meshes") or "") if attributes is not None else {}
+        meshes = sdy.meshes(attributes.get("xla.sdy.meshes") or "") if attributes is not None else {}
         if mesh_name not in meshes:
             raise Refusal(f"the module does not define mesh {mesh_name!r}")
-        axis_names, coordinates = meshes[mesh_name]
+        axis_names, coordinates = meshes[mesh_name].axes, meshes[mesh_name].coordinates
         if axis not in axis_names or not coordinates:
             raise Refusal(f"mesh {mesh_name!r} has no axis {axis!r}")
         body = call.attrs["to_apply"]

@@ -57,6 +57,7 @@ import re
 import numpy as np
 
 from hlo_tools import HloComputation, HloInstruction, HloModule, Shape
+from hlo_tools.ir import sdy
 from hlo_tools.ir.attributes import FrontendAttributes, PaddingConfig, ReplicaGroups, Sharding, SliceSpec
 from hlo_tools.ir.literal import Literal, numpy_dtype
 from hlo_tools.ir.opcodes import ELEMENTWISE, has_side_effect
@@ -66,8 +67,7 @@ from hlo_tools.ir.shape_inference import infer_shape
 from ..analysis.collectives import reducer_opcode, slices_are_contiguous
 from ..analysis.constants import constant_array
 from ..analysis.replica_groups import DeviceCounts
-from ..analysis.replication_analysis import (SDY_SHARDING_VALUE, REPLICA_IDS, ReplicationAnalysis, parse_sdy_meshes,
-                                            participants)
+from ..analysis.replication_analysis import REPLICA_IDS, ReplicationAnalysis, participants
 from ..core import HloPass, register_pass
 from ..rewrites.inlining import inline
 
@@ -998,27 +998,6 @@ def _set_frontend_attribute(instr: HloInstruction, key: str, value: str) -> None
     instr.attrs["frontend_attributes"] = FrontendAttributes(tuple(items.items()))
 
 
-def _sdy_values(text: str) -> list[re.Match]:
-    """The `<@mesh, [{...}, ...]...>` entries of a Shardy sharding attribute."""
-    return list(SDY_SHARDING_VALUE.finditer(text))
-
-
-def _sdy_dims(dims_text: str) -> list[list[str]] | None:
-    """`{"model"}, {}` -> [["model"], []]; None for what this pass does not rewrite (open
-    dimensions `?`, sub-axes `"x":(1)2`, priorities)."""
-    dims = []
-    for piece in re.findall(r"\{([^}]*)\}([^,{]*)", dims_text):
-        axes_text, suffix = piece
-        if suffix.strip() or not re.fullmatch(r'\s*("\w+"\s*(,\s*"\w+"\s*)*)?', axes_text):
-            return None
-        dims.append(re.findall(r'"(\w+)"', axes_text))
-    return dims
-
-
-def _sdy_dims_text(dims: list[list[str]]) -> str:
-    return ", ".join("{" + ", ".join(f'"{axis}"' for axis in axes) + "}" for axes in dims)
-
-
 @dataclasses.dataclass
 class _ShardMapBoundary:
     """The entry's side of a shard_map body: GlobalToLocalShape -> call(body) -> LocalToGlobalShape.
@@ -1059,12 +1038,12 @@ class _ShardMapBoundary:
             return None
         in_shardings = _frontend_attribute(global_to_local, "xla.sdy.in_shardings") or ""
         meshes_text = _frontend_attribute(module, "xla.sdy.meshes")
-        values = _sdy_values(in_shardings)
-        if not values or meshes_text is None or values[0].group(1) not in parse_sdy_meshes(meshes_text):
+        values = sdy.values(in_shardings)
+        if not values or meshes_text is None or values[0].mesh not in sdy.meshes(meshes_text):
             return None
-        mesh_name = values[0].group(1)
-        axes, coordinates = parse_sdy_meshes(meshes_text)[mesh_name]
-        sizes = {axis: 1 + max(c[i] for c in coordinates.values()) for i, axis in enumerate(axes)}
+        mesh_name = values[0].mesh
+        mesh = sdy.meshes(meshes_text)[mesh_name]
+        axes, coordinates, sizes = mesh.axes, mesh.coordinates, dict(zip(mesh.axes, mesh.sizes))
         manual_axes = set(re.findall(r'"(\w+)"', _frontend_attribute(global_to_local, "xla.sdy.manual_axes") or ""))
         return cls(module, call, global_to_local, local_to_global, mesh_name, axes, sizes, coordinates, manual_axes)
 
@@ -1111,14 +1090,14 @@ class _ShardMapBoundary:
         if axes is None:
             return None, "its replica groups are not the devices along manual mesh axes"
         index = self.call.operand(number).attrs["index"]
-        entering = _sdy_values(_frontend_attribute(self.global_to_local, "xla.sdy.in_shardings") or "")
-        leaving = _sdy_values(_frontend_attribute(self.local_to_global, "xla.sdy.out_shardings") or "")
-        if index >= len(entering) or body_output >= len(leaving) or \
-                entering[index].group(0) != leaving[body_output].group(0):
+        entering = sdy.values(_frontend_attribute(self.global_to_local, "xla.sdy.in_shardings") or "")
+        leaving = sdy.values(_frontend_attribute(self.local_to_global, "xla.sdy.out_shardings") or "")
+        same = lambda a, b: (a.mesh, a.dims_text, a.rest) == (b.mesh, b.dims_text, b.rest)  # noqa: E731
+        if index >= len(entering) or body_output >= len(leaving) or not same(entering[index], leaving[body_output]):
             return None, "the shard_map's in and out shardings of the state differ"
-        dims = _sdy_dims(entering[index].group(2))
-        if dims is None or len(dims) != len(plan.full_dims) or entering[index].group(1) != self.mesh_name \
-                or entering[index].group(3).strip():
+        dims = sdy.dims(entering[index].dims_text)
+        if dims is None or len(dims) != len(plan.full_dims) or entering[index].mesh != self.mesh_name \
+                or entering[index].rest.strip():
             return None, "its shard_map in_sharding is not a plain split of its dimensions"
         if any(axis in used for used in dims for axis in axes):
             return None, "it is already split over the group's mesh axes"
@@ -1168,7 +1147,7 @@ class _ShardMapBoundary:
     def keep_sharded(self, number: int, body_output: int, dims: list[list[str]]) -> str:
         """Split the entry parameter that body parameter `number` comes from, and the entry output
         that body output `body_output` reaches, as `dims` says; describe the change."""
-        sharding, sdy_dims = self.hlo_sharding(dims), _sdy_dims_text(dims)
+        sharding, sdy_dims = self.hlo_sharding(dims), sdy.dims_text(dims)
         gte = self.call.operand(number)
         index = gte.attrs["index"]
         parameter = self.global_to_local.operand(index)
@@ -1205,9 +1184,9 @@ class _ShardMapBoundary:
     def _replace_value(self, instr: HloInstruction, key: str, index: int, sdy_dims: str) -> None:
         """Entry `index` of the sharding_per_value attribute `key` of `instr`, split as `sdy_dims`."""
         text = _frontend_attribute(instr, key)
-        match = _sdy_values(text)[index]
-        replaced = f"<@{self.mesh_name}, [{sdy_dims}]{match.group(3)}>"
-        _set_frontend_attribute(instr, key, text[:match.start()] + replaced + text[match.end():])
+        value = sdy.values(text)[index]
+        replaced = f"<@{self.mesh_name}, [{sdy_dims}]{value.rest}>"
+        _set_frontend_attribute(instr, key, text[:value.start] + replaced + text[value.end:])
 
     def retype_call(self) -> None:
         """The call and its get-tuple-elements take the body's new result shapes."""
@@ -1259,14 +1238,14 @@ class _StateShardingForPartitioner:
         self.reports: list[WeightReport] = []
 
     def run(self) -> bool:
-        meshes = parse_sdy_meshes(_frontend_attribute(self.module, "xla.sdy.meshes"))
+        meshes = sdy.meshes(_frontend_attribute(self.module, "xla.sdy.meshes"))
         if len(meshes) != 1:
             return False
-        self.mesh_name, (axes, coordinates) = next(iter(meshes.items()))
-        self.axes = axes
-        self.sizes = [1 + max(c[k] for c in coordinates.values()) for k in range(len(axes))] if coordinates else []
+        self.mesh_name, mesh = next(iter(meshes.items()))
+        axes = self.axes = mesh.axes
+        self.sizes = mesh.sizes
         self.devices = np.empty(self.sizes, dtype=np.int64)
-        for device, position in coordinates.items():
+        for device, position in mesh.coordinates.items():
             self.devices[position] = device
         root = self.entry.root
         if root.opcode != "tuple":
@@ -1345,7 +1324,7 @@ class _StateShardingForPartitioner:
         dims = self._dims(parameter) or [[] for _ in range(parameter.shape.rank)]
         attrs = {"custom_call_target": "Sharding", "sharding": parameter.attrs["sharding"],
                  "frontend_attributes": FrontendAttributes((("xla.sdy.sharding", f"#sdy.sharding_per_value<[<@"
-                                                              f"{self.mesh_name}, [{_sdy_dims_text(dims)}]>]>"),))}
+                                                              f"{self.mesh_name}, [{sdy.dims_text(dims)}]>]>"),))}
         pinned = self.entry.add_instruction("custom-call", [value], value.shape, attrs=attrs, before=root,
                                             name=f"{value.name}.sharding")
         root.set_operand(index, pinned)
@@ -1431,9 +1410,8 @@ class _StateShardingForPartitioner:
         return True
 
     def _dims(self, instr: HloInstruction, key: str = "xla.sdy.sharding") -> list[list[str]] | None:
-        text = _frontend_attribute(instr, key)
-        values = _sdy_values(text) if text else []
-        return _sdy_dims(values[0].group(2)) if len(values) == 1 and values[0].group(1) == self.mesh_name else None
+        values = sdy.values(_frontend_attribute(instr, key))
+        return sdy.dims(values[0].dims_text) if len(values) == 1 and values[0].mesh == self.mesh_name else None
 
     def _split(self, instr: HloInstruction, key: str, dimension: int) -> None:
         """`instr`'s Shardy sharding and HloSharding with the data axes on `dimension`."""
@@ -1441,10 +1419,7 @@ class _StateShardingForPartitioner:
         if dims is None or len(dims) != instr.shape.rank:
             dims = [[] for _ in range(instr.shape.rank)]
         dims[dimension] = list(self.data_axes)
-        text = _frontend_attribute(instr, key)
-        match = _sdy_values(text)[0]
-        replaced = f"<@{self.mesh_name}, [{_sdy_dims_text(dims)}]{match.group(3)}>"
-        _set_frontend_attribute(instr, key, text[:match.start()] + replaced + text[match.end():])
+        _set_frontend_attribute(instr, key, sdy.replace_value(_frontend_attribute(instr, key), 0, dims))
         instr.attrs["sharding"] = self._gspmd(dims)
 
     def _gspmd(self, dims: list[list[str]], dimension: int | None = None) -> Sharding:
