@@ -57,20 +57,22 @@ def run_keras_tf_child(script: str, target: pathlib.Path, *args: str, timeout: i
     return json.loads(pathlib.Path(target).read_text(encoding="utf-8"))
 
 
-def alive_in_session(sid: int) -> list[int]:
-    """The processes of session `sid` that have not ended (a zombie has), from /proc: a command
-    started with `start_new_session=True` leads session `proc.pid`, and so does all it starts."""
-    alive = []
+def process_stats():
+    """(pid, the fields of /proc/pid/stat after the command name: state, parent, group, session...)
+    of every process still there."""
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
+                    yield int(entry), f.read().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if int(fields[3]) == sid and fields[0] != "Z":
-                alive.append(int(entry))
-    return alive
+
+
+def alive_in_session(sid: int) -> list[int]:
+    """The processes of session `sid` that have not ended (a zombie has), from /proc: a command
+    started with `start_new_session=True` leads session `proc.pid`, and so does all it starts."""
+    return [pid for pid, fields in process_stats() if int(fields[3]) == sid and fields[0] != "Z"]
 
 
 def kill_session(proc: subprocess.Popen) -> None:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from hlo_tools.xla import xla_bridge
-from support import REPO_ROOT, alive_in_session, kill_session
+from support import REPO_ROOT, alive_in_session, kill_session, process_stats
 from test_runner import CRASHING, PER_DEVICE_4, PER_DEVICE_8, SINGLE_DEVICE, per_device_8_expected
 
 ERROR_LINE = re.compile(r"hlo-tools: error: [^\n]+\n")
@@ -337,17 +337,7 @@ def test_a_byte_order_mark_is_accepted(tmp_path):
 
 def _children(pid: int) -> list[int]:
     """The processes whose parent is `pid` (from /proc)."""
-    children = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                children.append(int(entry))
-    return children
+    return [child for child, fields in process_stats() if int(fields[1]) == pid]
 
 
 def _alive(pid: int) -> bool:
