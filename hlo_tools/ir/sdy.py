@@ -11,9 +11,12 @@ reader for every pass, so that they all read a sharding the same way.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 import numpy as np
+
+from hlo_tools.ir.attributes import Sharding
 
 _MESH = re.compile(r'(\w+)\s*=\s*#sdy\.mesh<\[([^\]]*)\](?:\s*,\s*device_ids=\[([\d,\s]*)\])?>')
 _AXIS = re.compile(r'"(\w+)"\s*=\s*(\d+)')
@@ -27,6 +30,28 @@ class Mesh:
     axes: list[str]
     sizes: list[int]
     coordinates: dict[int, tuple[int, ...]]
+
+    def hlo_sharding(self, per_dim: list[list[str]]) -> Sharding:
+        """The HloSharding of the split `per_dim` (each dimension's axes, major first) on this
+        mesh: a tile per dimension, the axes no dimension names replicated in a last tile dimension."""
+        size = dict(zip(self.axes, self.sizes))
+        tiles = [math.prod(size[a] for a in axes) for axes in per_dim]
+        rest = [a for a in self.axes if not any(a in axes for axes in per_dim)]
+        copies = math.prod(size[a] for a in rest)
+        if math.prod(tiles) == 1:
+            return Sharding.replicated()
+        shape = tiles + ([copies] if copies > 1 else [])
+        table = np.zeros(shape, np.int64)
+        for device, coordinates in self.coordinates.items():
+            position = dict(zip(self.axes, coordinates))
+            along = [*per_dim, rest] if copies > 1 else per_dim
+            table[tuple(_index_along(axes, position, size) for axes in along)] = device
+        return Sharding.tiled(shape, table.ravel().tolist(), last_tile_dim_replicate=copies > 1)
+
+
+def _index_along(axes: list[str], position: dict[str, int], size: dict[str, int]) -> int:
+    """A device's index among the tiles that `axes` (major to minor) make."""
+    return int(np.ravel_multi_index([position[a] for a in axes], [size[a] for a in axes])) if axes else 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1127,22 +1127,7 @@ class _ShardMapBoundary:
 
     def hlo_sharding(self, dims: list[list[str]]) -> Sharding:
         """The HloSharding of a Shardy dimension spec over this mesh."""
-        tile_dims = [math.prod(self.sizes[a] for a in axes) for axes in dims]
-        rest = [a for a in self.axes if not any(a in axes for axes in dims)]
-        copies = math.prod(self.sizes[a] for a in rest)
-        if math.prod(tile_dims) == 1:
-            return Sharding.replicated()
-        shape = tile_dims + ([copies] if copies > 1 else [])
-        table = np.zeros(shape, np.int64)
-        for device, coords in self.coordinates.items():
-            position = dict(zip(self.axes, coords))
-            tile = [self._index_along(axes, position) for axes in dims]
-            table[tuple(tile + ([self._index_along(rest, position)] if copies > 1 else []))] = device
-        return Sharding.tiled(shape, table.ravel().tolist(), last_tile_dim_replicate=copies > 1)
-
-    def _index_along(self, axes: list[str], position: dict[str, int]) -> int:
-        """A device's index among the tiles that `axes` (major to minor) make."""
-        return int(np.ravel_multi_index([position[a] for a in axes], [self.sizes[a] for a in axes])) if axes else 0
+        return sdy.Mesh(self.axes, [self.sizes[a] for a in self.axes], self.coordinates).hlo_sharding(dims)
 
     def keep_sharded(self, number: int, body_output: int, dims: list[list[str]]) -> str:
         """Split the entry parameter that body parameter `number` comes from, and the entry output
@@ -1241,12 +1226,8 @@ class _StateShardingForPartitioner:
         meshes = sdy.meshes(_frontend_attribute(self.module, "xla.sdy.meshes"))
         if len(meshes) != 1:
             return False
-        self.mesh_name, mesh = next(iter(meshes.items()))
-        axes = self.axes = mesh.axes
-        self.sizes = mesh.sizes
-        self.devices = np.empty(self.sizes, dtype=np.int64)
-        for device, position in mesh.coordinates.items():
-            self.devices[position] = device
+        self.mesh_name, self.mesh = next(iter(meshes.items()))
+        axes = self.mesh.axes
         root = self.entry.root
         if root.opcode != "tuple":
             return False
@@ -1258,7 +1239,7 @@ class _StateShardingForPartitioner:
             for dims in [self._dims(p, "xla.sdy.sharding")] if dims is not None)]
         if not self.data_axes:
             return False
-        size = math.prod(self.sizes[axes.index(a)] for a in self.data_axes)
+        size = math.prod(self.mesh.sizes[axes.index(a)] for a in self.data_axes)
         plans = {}
         for parameter in parameters:
             plan = self._plan(parameter, size)
@@ -1420,24 +1401,7 @@ class _StateShardingForPartitioner:
             dims = [[] for _ in range(instr.shape.rank)]
         dims[dimension] = list(self.data_axes)
         _set_frontend_attribute(instr, key, sdy.replace_value(_frontend_attribute(instr, key), 0, dims))
-        instr.attrs["sharding"] = self._gspmd(dims)
-
-    def _gspmd(self, dims: list[list[str]], dimension: int | None = None) -> Sharding:
-        """The HloSharding of Shardy's `dims` on this mesh (with the data axes added on
-        `dimension` when given): a tile per dimension, the axes no dimension uses replicated."""
-        if dimension is not None:
-            dims = [list(d) for d in dims]
-            dims[dimension] = list(self.data_axes)
-        used = [self.axes.index(a) for d in dims for a in d]
-        rest = [k for k in range(len(self.axes)) if k not in used]
-        tiles = [math.prod(self.sizes[self.axes.index(a)] for a in d) for d in dims]
-        copies = math.prod(self.sizes[k] for k in rest)
-        devices = self.devices.transpose(used + rest).reshape(-1).tolist()
-        if math.prod(tiles) == 1:
-            return Sharding.replicated()
-        if copies == 1:
-            return Sharding.tiled(tiles, devices)
-        return Sharding.tiled(tiles + [copies], devices, last_tile_dim_replicate=True)
+        instr.attrs["sharding"] = self.mesh.hlo_sharding(dims)
 
 
 # -- instruction predicates ---------------------------------------------------------------------------
