@@ -155,21 +155,24 @@ class Shape:
             s = s.tuple_shapes[i]
         return s
 
+    @property
+    def is_row_major(self) -> bool:
+        """Whether the elements lie in memory in row-major order: the layout lists the dimensions
+        of size above one from major to minor in order (an absent layout is XLA's default), with
+        nothing but the order in it (no tiling or memory space)."""
+        if self.layout is None:
+            return True
+        if self.layout.extra:
+            return False
+        order = [d for d in reversed(self.layout.minor_to_major) if self.dims[d] != 1]
+        return order == sorted(order)
+
     def reshape_is_bitcast(self, result: "Shape") -> bool:
         """Whether reshaping this array to `result` moves no element in memory (XLA's
-        `ShapeUtil::ReshapeIsBitcast`, for the layouts passes meet): both layouts list the
-        dimensions of size above one from major to minor in order (an absent layout is XLA's
-        default), with nothing but the order in them (no tiling or memory space)."""
-        def row_major(shape: "Shape") -> bool:
-            if shape.layout is None:
-                return True
-            if shape.layout.extra:
-                return False
-            order = [d for d in reversed(shape.layout.minor_to_major) if shape.dims[d] != 1]
-            return order == sorted(order)
+        `ShapeUtil::ReshapeIsBitcast`, for the layouts passes meet): both are row-major."""
         return (self.is_array and result.is_array and self.dtype == result.dtype
                 and self.element_count == result.element_count and not self.is_dynamic
-                and not result.is_dynamic and row_major(self) and row_major(result))
+                and not result.is_dynamic and self.is_row_major and result.is_row_major)
 
     # -- derived shapes -----------------------------------------------------------------------
     def with_dims(self, dims, keep_layout: bool = True) -> "Shape":

@@ -1479,18 +1479,9 @@ def _reordering(instr: HloInstruction):
     if instr.opcode == "transpose":
         return "transpose", tuple(instr.attrs["dimensions"])
     shapes = [instr.shape, instr.operand(0).shape] if instr.opcode in ("reshape", "bitcast") else []
-    if shapes and all(s.is_array and _row_major(s) for s in shapes):
+    if shapes and all(s.is_array and s.is_row_major for s in shapes):
         return "reshape", instr.shape.dims
     return None
-
-
-def _row_major(shape: Shape) -> bool:
-    """Whether `shape`'s elements lie in row-major order: its layout, dimensions of size 1 aside
-    (where they sit changes no element's place), is the default one."""
-    if shape.layout is None:
-        return True
-    order = [d for d in shape.layout.minor_to_major if shape.dims[d] != 1]
-    return order == sorted(order, reverse=True)
 
 
 def _reordered_chain(starts: list[HloInstruction], dims: tuple[int, ...]):
