@@ -47,6 +47,7 @@ from collections.abc import Iterable, Sequence
 
 import hlo_tools
 from hlo_tools.xla import proto_patch, xla_bridge
+from hlo_tools.ir.attributes import parse_buffer_donor
 from hlo_tools.ir.errors import one_line
 from hlo_tools.garbage_collection import garbage_collection_paused
 
@@ -451,7 +452,8 @@ class PassJitted:
                 rewritten = xla_bridge.with_lowered_module(
                     lowered, module.to_text(),
                     resharded_parameters=[i for i, s in enumerate(after[0]) if s != before[0][i]],
-                    resharded_outputs=[i for i, s in enumerate(after[1]) if s != before[1][i]])
+                    resharded_outputs=[i for i, s in enumerate(after[1]) if s != before[1][i]],
+                    buffer_donors=_buffer_donors(module))
         except Exception as exc:
             self._refuse(module.name, exc)
             self.reports = []
@@ -568,6 +570,12 @@ def _static_arguments(fun, numbers, names) -> tuple[tuple[int, ...], tuple[str, 
 
 def _sharding_of(leaf):
     return getattr(leaf, "sharding", None)
+
+
+def _buffer_donors(module) -> list[int]:
+    """The entry parameters that the module's `buffer_donor` attribute donates whole."""
+    donors = module.attrs.get("buffer_donor")
+    return [number for number, index in parse_buffer_donor(str(donors)) if not index] if donors is not None else []
 
 
 def _entry_shardings(module) -> tuple[list[str], list[str]]:

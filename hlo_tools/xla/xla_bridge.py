@@ -697,13 +697,15 @@ def compiled_module_text(compiled) -> str:
     return hook_module_text(module.as_serialized_hlo_module_proto())
 
 
-def with_lowered_module(lowered, text: str, *, resharded_parameters=(), resharded_outputs=()):
+def with_lowered_module(lowered, text: str, *, resharded_parameters=(), resharded_outputs=(), buffer_donors=()):
     """A copy of `lowered` that compiles the HLO module `text` instead of its own.
 
     `resharded_parameters` and `resharded_outputs` are the entry parameters and result leaves
     whose sharding the module changed: JAX then takes their shardings from the compiled
-    executable instead of insisting on the ones it lowered with. `lowered` itself is left as it
-    is: JAX caches lowerings, and a plain `jax.jit` of the same function may be handed it.
+    executable instead of insisting on the ones it lowered with. `buffer_donors` are the entry
+    parameters the module's `buffer_donor` donates, which the conversion to StableHLO drops
+    (`_mark_buffer_donors`). `lowered` itself is left as it is: JAX caches lowerings, and a plain
+    `jax.jit` of the same function may be handed it.
     """
     import copy  # noqa: PLC0415
 
@@ -721,7 +723,7 @@ def with_lowered_module(lowered, text: str, *, resharded_parameters=(), resharde
         raise XlaBridgeError(f"XLA could not convert the module to StableHLO: {_xla_message(exc)}") from exc
     with lowering._hlo.context:
         lowering._hlo = ir.Module.parse(mlir_text)
-        _mark_buffer_donors(lowering._hlo, _buffer_donors(text))
+        _mark_buffer_donors(lowering._hlo, buffer_donors)
     args = lowering.compile_args
     for key, indices in (("in_shardings", resharded_parameters), ("out_shardings", resharded_outputs)):
         shardings = list(args[key])
@@ -731,14 +733,7 @@ def with_lowered_module(lowered, text: str, *, resharded_parameters=(), resharde
     return lowered
 
 
-def _buffer_donors(text: str) -> list[int]:
-    """The entry parameters the module's `buffer_donor={...}` header attribute donates whole."""
-    header = _re.search(r"^HloModule\b[^\n]*", text, _re.M)
-    found = _re.search(r"\bbuffer_donor=\{(.*?)\}\s*(?:,\s*\w+=|$)", header.group(0)) if header else None
-    return [int(n) for n in _re.findall(r"\(\s*(\d+)\s*,\s*\{\s*\}\s*\)", found.group(1))] if found else []
-
-
-def _mark_buffer_donors(module, donors: list[int]) -> None:
+def _mark_buffer_donors(module, donors) -> None:
     """Give the main function's `donors` arguments `jax.buffer_donor`, which the HLO -> StableHLO
     conversion drops: JAX lowers donated arguments whose output sharding it leaves to XLA
     (`AxisType.Auto` meshes) as buffer donors, and without the mark XLA aliases none of them."""
