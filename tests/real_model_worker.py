@@ -1,6 +1,6 @@
 """Worker for tests/test_real_models.py: library models trained data parallel, with no change for the passes.
 
-    python tests/real_model_worker.py MODEL OUT.npz [--steps N]
+    python tests/real_model_worker.py MODEL OUT.npz [--steps N] [--float64]
 
 MODEL is one of `MODELS`: Keras 3 applications (JAX backend, `DataParallel`
 over the 8 CPU devices, `train_on_batch`) and a Flax BatchNorm ResNet (optax,
@@ -33,31 +33,34 @@ BATCH = 16  # 2 images per device
 STEP_TIMES_PREFIX = "real_model_worker: step seconds:"
 
 
-def train(step: Callable[[np.ndarray, np.ndarray], float], steps: int) -> np.ndarray:
+def train(step: Callable[[np.ndarray, np.ndarray], float], steps: int, dtype=np.float32) -> np.ndarray:
     """Run `step(images, labels) -> loss` on `steps` seeded batches; the losses, and the step times on stderr."""
     rng = np.random.default_rng(0)
     losses, seconds = [], []
     for _ in range(steps):
-        images = rng.standard_normal((BATCH, *IMAGE_SHAPE), dtype=np.float32)
+        images = rng.standard_normal((BATCH, *IMAGE_SHAPE), dtype=np.float32).astype(dtype)
         labels = rng.integers(0, CLASSES, size=BATCH, dtype=np.int32)
         start = time.perf_counter()
         losses.append(float(step(images, labels)))
         seconds.append(time.perf_counter() - start)
     print(STEP_TIMES_PREFIX, *(f"{s:.2f}" for s in seconds), file=sys.stderr)
-    return np.asarray(losses, dtype=np.float32)
+    return np.asarray(losses, dtype=dtype)
 
 
-def train_keras(application: str, make_optimizer, steps: int) -> dict[str, np.ndarray]:
-    """A `keras.applications` model at 32x32 and 10 classes; `make_optimizer(keras)` returns its optimizer."""
+def train_keras(application: str, make_optimizer, steps: int, float64: bool = False) -> dict[str, np.ndarray]:
+    """A `keras.applications` model at 32x32 and 10 classes; `make_optimizer(keras)` returns its optimizer.
+    With `float64`, every variable and input is float64 (Keras's floatx, jax_enable_x64)."""
     os.environ["KERAS_BACKEND"] = "jax"
     import jax
     import keras
 
+    jax.config.update("jax_enable_x64", float64)
+    keras.config.set_floatx("float64" if float64 else "float32")
     keras.utils.set_random_seed(0)
     keras.distribution.set_distribution(keras.distribution.DataParallel(devices=jax.devices()))
     model = getattr(keras.applications, application)(weights=None, input_shape=IMAGE_SHAPE, classes=CLASSES)
     model.compile(optimizer=make_optimizer(keras), loss="sparse_categorical_crossentropy")
-    result = {"losses": train(model.train_on_batch, steps)}
+    result = {"losses": train(model.train_on_batch, steps, np.float64 if float64 else np.float32)}
     for variable in [*model.weights, *model.optimizer.variables]:
         result[variable.path] = np.asarray(variable.value)
     return result
@@ -139,6 +142,9 @@ MODELS = {
     "keras-resnet50": functools.partial(train_keras, "ResNet50", lambda keras: keras.optimizers.Adam(1e-3)),
     "keras-efficientnetb0": functools.partial(train_keras, "EfficientNetB0",
                                               lambda keras: keras.optimizers.SGD(0.01, momentum=0.9)),
+    "keras-mobilenetv3small-lamb": functools.partial(train_keras, "MobileNetV3Small",
+                                                     lambda keras: keras.optimizers.Lamb(1e-3)),
+    "keras-convnexttiny-lamb": functools.partial(train_keras, "ConvNeXtTiny", lambda keras: keras.optimizers.Lamb(1e-3)),
 }
 
 
@@ -147,12 +153,14 @@ def main(argv: list[str]) -> None:
     parser.add_argument("model", choices=sorted(MODELS))
     parser.add_argument("out")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--float64", action="store_true", help="train in float64 (Keras models)")
     args = parser.parse_args(argv)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(name)s %(levelname)s %(message)s"))
     logging.getLogger("xla_passes").addHandler(handler)
     logging.getLogger("xla_passes").setLevel(logging.INFO)
-    np.savez(args.out, **MODELS[args.model](args.steps))
+    options = {"float64": True} if args.float64 else {}
+    np.savez(args.out, **MODELS[args.model](args.steps, **options))
 
 
 if __name__ == "__main__":

@@ -1,13 +1,24 @@
 """weight-update-sharding and collective-fusion on real library models give the plain run's numbers.
 
 Each model of tests/real_model_worker.py (a Flax BatchNorm ResNet with AdamW,
-Keras 3 ResNet50 with Adam, Keras 3 EfficientNetB0 with momentum SGD) trains 3
-steps data parallel over 8 CPU devices in three subprocesses: plain, with
-XLA_PASSES=weight-update-sharding and with XLA_PASSES=collective-fusion (with
-XLA_PASSES_STRICT=1, so that a failing pass fails the run). The losses and
+Keras 3 ResNet50 with Adam, Keras 3 EfficientNetB0 with momentum SGD, Keras 3
+MobileNetV3Small and ConvNeXtTiny with LAMB) trains 3 steps data parallel over
+8 CPU devices in subprocesses: plain, with XLA_PASSES=weight-update-sharding
+and (but for the LAMB models) with XLA_PASSES=collective-fusion, with
+XLA_PASSES_STRICT=1, so that a failing pass fails the run. The losses and
 every final weight, BatchNorm statistic and optimizer state must equal the
 plain run's up to the rounding of a reordered sum, and the training step must
 show that the pass did its work:
+
+- MobileNetV3Small trains in float64. In float32, 24 of its 497 arrays differ
+  from plain by more than TOLERANCE after 3 steps with the pass (up to 2.5e-5),
+  and that is rounding: the plain run alone, compiled for AVX2 instead of
+  AVX-512 (`--xla_cpu_max_isa=AVX2`), puts 45 arrays beyond it (up to 1.3e-3).
+  Its `project_bn/beta`s feed a 1x1 convolution and then a BatchNorm, so their
+  exact gradient is 0, and LAMB scales the rounding left in it (and in the
+  moments and statistics downstream) to steps of learning-rate size. In float64
+  the pass's run equals plain's to 6e-17, FLOAT64_TOLERANCE with a margin of
+  over 10^6; a wrong rewrite moves weights by the learning rate.
 
 - weight-update-sharding shards the update of every convolution kernel, the
   depthwise ones too (XLA all-reduces their gradient as [h, w, 1, C] and the
@@ -52,10 +63,15 @@ STEPS = 3
 TRAIN_STEP = "jit_train_step"  # the module name of every model's training step
 # The plain and the transformed runs must agree up to the rounding of a reordered reduction.
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
+FLOAT64_TOLERANCE = {"rtol": 1e-9, "atol": 1e-12}
 DEVICES_FLAG = "--xla_force_host_platform_device_count=8"
 NO_XLA_COMBINER_FLAG = " ".join(f"--{flag}={value}" for flag, value in NO_XLA_COMBINER.items())
 REQUIRED_MODULES = {"flax-resnet": ("flax", "optax"), "keras-resnet50": ("keras",),
-                    "keras-efficientnetb0": ("keras",)}
+                    "keras-efficientnetb0": ("keras",), "keras-mobilenetv3small-lamb": ("keras",),
+                    "keras-convnexttiny-lamb": ("keras",)}
+FLOAT64_MODELS = {"keras-mobilenetv3small-lamb"}
+# The models that test collective-fusion too (the LAMB ones are here for weight-update-sharding's norms).
+COLLECTIVE_FUSION_MODELS = {"flax-resnet", "keras-resnet50", "keras-efficientnetb0"}
 
 # "xla_passes INFO xla_passes: module_0052 jit_train_step: changed by weight-update-sharding in 1185.5 ms"
 MODULE_LINE = re.compile(r"xla_passes: module_\d+ (?P<name>\S+): (?P<outcome>.*) in [\d.]+ ms$")
@@ -65,12 +81,14 @@ STEP_TIMES_LINE = re.compile(re.escape(STEP_TIMES_PREFIX) + r" (?P<seconds>.*)")
 
 
 def run_worker(model: str, out, env: dict[str, str]) -> tuple[str, float]:
-    """Train `model` in a fresh process with `env` added (no XLA_PASSES* of the caller's); its stderr and wall time."""
+    """Train `model` in a fresh process with `env` added (no XLA_PASSES* of the caller's), in float64 for
+    FLOAT64_MODELS; its stderr and wall time."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("XLA_PASSES")}
     full_env = {**base, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": DEVICES_FLAG, "TF_CPP_MIN_LOG_LEVEL": "2",
                 "PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, base.get("PYTHONPATH")])), **env}
     start = time.perf_counter()
-    result = subprocess.run([sys.executable, WORKER, model, str(out), "--steps", str(STEPS)], env=full_env,
+    float64 = ["--float64"] if model in FLOAT64_MODELS else []
+    result = subprocess.run([sys.executable, WORKER, model, str(out), "--steps", str(STEPS), *float64], env=full_env,
                             capture_output=True, text=True, timeout=600)
     seconds = time.perf_counter() - start
     assert result.returncode == 0, f"worker failed ({result.returncode}):\n{result.stderr[-4000:]}"
@@ -107,8 +125,8 @@ def entry_all_reduces(path) -> int:
     return sum(instr.opcode == "all-reduce" for instr in module.entry.instructions)
 
 
-def compare(plain, other) -> tuple[float, float, list[str]]:
-    """Largest absolute and relative differences over all arrays, and a line for each array beyond TOLERANCE."""
+def compare(plain, other, tolerance) -> tuple[float, float, list[str]]:
+    """Largest absolute and relative differences over all arrays, and a line for each array beyond `tolerance`."""
     max_abs = max_rel = 0.0
     mismatches = []
     for name in plain.files:
@@ -116,7 +134,7 @@ def compare(plain, other) -> tuple[float, float, list[str]]:
         difference = np.abs(actual - expected)
         relative = difference / np.maximum(np.abs(expected), np.finfo(np.float32).tiny)
         max_abs, max_rel = max(max_abs, float(difference.max(initial=0))), max(max_rel, float(relative.max(initial=0)))
-        outside = ~np.isclose(actual, expected, **TOLERANCE)
+        outside = ~np.isclose(actual, expected, **tolerance)
         if outside.any():
             mismatches.append(f"{name} {expected.shape}: {outside.sum()} elements differ, max abs "
                               f"{difference.max():.3g}, max rel {relative.max():.3g}")
@@ -133,6 +151,8 @@ def test_passes_give_the_plain_run_numbers(model, tmp_path):
         "weight-update-sharding": {"XLA_PASSES": "weight-update-sharding"},
         "collective-fusion": {"XLA_PASSES": "collective-fusion", "XLA_FLAGS": f"{DEVICES_FLAG} {NO_XLA_COMBINER_FLAG}"},
     }
+    if model not in COLLECTIVE_FUSION_MODELS:
+        del runs["collective-fusion"]
     logs = {}
     for run, env in runs.items():
         if run != "plain":
@@ -142,10 +162,11 @@ def test_passes_give_the_plain_run_numbers(model, tmp_path):
 
     plain = np.load(tmp_path / "plain.npz")
     assert plain["losses"].shape == (STEPS,) and np.isfinite(plain["losses"]).all(), plain["losses"]
-    for run in ("weight-update-sharding", "collective-fusion"):
+    for run in list(runs)[1:]:
         other = np.load(tmp_path / f"{run}.npz")
         assert sorted(other.files) == sorted(plain.files)
-        max_abs, max_rel, mismatches = compare(plain, other)
+        tolerance = FLOAT64_TOLERANCE if model in FLOAT64_MODELS else TOLERANCE
+        max_abs, max_rel, mismatches = compare(plain, other, tolerance)
         print(f"{model} {run}: {len(plain.files)} arrays, max abs difference {max_abs:.3g}, max rel {max_rel:.3g}")
         assert not mismatches, (f"{run} changed the numbers of {model} (dumps in {tmp_path / f'dump-{run}'}):\n"
                                 + "\n".join(mismatches))
@@ -158,14 +179,15 @@ def test_passes_give_the_plain_run_numbers(model, tmp_path):
           f"updates it examined, the {sum(kernels.values())} convolution kernels among them")
     assert kernels and not kernels - sharded, f"kernels left replicated: {kernels - sharded}"
 
-    outcome, _ = train_step_log(logs["collective-fusion"])
-    assert outcome == "changed by collective-fusion", outcome
-    dump = tmp_path / "dump-collective-fusion"
-    [before] = dump.glob(f"module_*.{TRAIN_STEP}.before_xla_passes.txt")
-    [after] = dump.glob(f"module_*.{TRAIN_STEP}.0001.after_collective-fusion.txt")
-    before, after = entry_all_reduces(before), entry_all_reduces(after)
-    print(f"{model} collective-fusion: {before} all-reduces in the training step before, {after} after")
-    assert 2 * after <= before, (before, after)
+    if "collective-fusion" in runs:
+        outcome, _ = train_step_log(logs["collective-fusion"])
+        assert outcome == "changed by collective-fusion", outcome
+        dump = tmp_path / "dump-collective-fusion"
+        [before] = dump.glob(f"module_*.{TRAIN_STEP}.before_xla_passes.txt")
+        [after] = dump.glob(f"module_*.{TRAIN_STEP}.0001.after_collective-fusion.txt")
+        before, after = entry_all_reduces(before), entry_all_reduces(after)
+        print(f"{model} collective-fusion: {before} all-reduces in the training step before, {after} after")
+        assert 2 * after <= before, (before, after)
 
     for run in runs:  # ResNet50's weights and Adam state are 280 MB a run; keep them only when a check failed
         (tmp_path / f"{run}.npz").unlink()
