@@ -595,7 +595,7 @@ KEPT = {
     "not_replicated": "%w1 combines %g with %w, which is not known to be the same on every device of the group",
     "no_update": "no update: the gradient is not combined with weights or optimizer state",
     "norm_in_composite": "non-elementwise use: %u is used by %unorm (call); a call the pass does not inline",
-    "per_row_norm": "non-elementwise use: %squares is used by %rows (reduce)",
+    "per_row_norm_flattened": "%rows reduces the update along some of its dimensions, and no dimension",
     "new_weight_read_again": "non-elementwise use: %w1 is used by %prediction (dot)",
     "unknown_devices": "the module does not say which devices take part in it",
     "no_partition_count": "the module has several replicas but does not say how many partitions",
