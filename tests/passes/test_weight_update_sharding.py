@@ -417,7 +417,7 @@ def _hlo_cases() -> dict[str, str]:
 
 CASES = _hlo_cases()
 SHARDED_CASES = ["sgd", "momentum", "nesterov", "adamw", "subset_groups", "iota_groups", "padded", "clipped",
-                 "combined", "chained", "fused", "adam", "keras_adamw", "keras_clipnorm", "lamb"]
+                 "combined", "chained", "fused", "adam", "keras_adamw", "keras_clipnorm", "lamb", "per_row_norm"]
 
 
 def _inputs_for(text: str) -> list[np.ndarray]:
@@ -436,6 +436,16 @@ def test_hand_written_modules_compute_the_same(case):
     big_all_reduces = [i for i in module.entry.instructions
                        if i.opcode == "all-reduce" and i.shape.byte_size >= 256]
     assert not big_all_reduces
+
+
+def test_adafactor_factored_moments_compute_the_same():
+    """The hook's Adafactor kernel update (weight_update_sharding_adafactor.hlo): row statistics
+    of the shard, column sums all-reduced from partial sums, on 8 partitions."""
+    with open(os.path.join(HERE, "weight_update_sharding_adafactor.hlo"), encoding="utf-8") as f:
+        text = f.read()
+    checked = run_and_compare(text, PASS, exact=False, inputs=_per_device_inputs(hlo_tools.parse_module(text)),
+                              **BOUNDS)
+    assert "reduce-scatter" in _opcodes(checked.entry)
 
 
 def test_a_wrong_shard_offset_is_caught():

@@ -1932,8 +1932,8 @@ def _reduces_blocks(reduce: HloInstruction, value: HloInstruction, window, opcod
 def _is_statistics_fusion(instr: HloInstruction) -> bool:
     """A fusion that reduces or broadcasts arrays along some of their dimensions, with elementwise
     instructions between (Adafactor's row and column statistics, and the update that broadcasts
-    them back): once inlined, the update region takes in its reduces and broadcasts (`_spanned_axes`).
-    Partial sums of block reduce-windows that leave it must only be reduced further."""
+    them back): once inlined, the update region takes in its reduces and broadcasts (`_spanned_axes`);
+    its bitcasts and reshapes (a pmap step's `[1, ...]` weights) only pass values in or out. Partial sums of block reduce-windows that leave it must only be reduced further."""
     if instr.opcode != "fusion" or instr.attrs.get("kind") not in ("kLoop", "kInput", "kCustom") or \
             not instr.shape.is_array:
         return False
@@ -1942,11 +1942,11 @@ def _is_statistics_fusion(instr: HloInstruction) -> bool:
         opcode = _block_reduction_opcode(fused.root, fused, instr)
         if opcode is None or not _partials_reduced(instr, fused.root.attrs["window"], opcode):
             return False
-    if not any(i.opcode in ("reduce", "reduce-window") or (i.opcode == "broadcast" and not _is_scalar_broadcast(i))
-               for i in fused.instructions):
+    if not any(i.opcode in ("reduce", "reduce-window", "bitcast", "reshape")
+               or (i.opcode == "broadcast" and not _is_scalar_broadcast(i)) for i in fused.instructions):
         return False
-    return all(i.opcode in ("parameter", "constant", "reduce", "broadcast") or i.opcode in ELEMENTWISE
-               or _block_reduction_opcode(i, fused) is not None for i in fused.instructions)
+    return all(i.opcode in ("parameter", "constant", "reduce", "broadcast", "bitcast", "reshape")
+               or i.opcode in ELEMENTWISE or _block_reduction_opcode(i, fused) is not None for i in fused.instructions)
 
 
 def _is_fixable_use(instr: HloInstruction) -> bool:
