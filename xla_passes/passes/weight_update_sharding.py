@@ -31,15 +31,22 @@ all-reduce of a floating-point gradient (an array all-reduce, a leaf of a combin
 tuple all-reduce, or an all-reduce of an all-reduced value as JAX emits for pmean of
 an invariant gradient), the update region grows through elementwise instructions of
 the gradient's shape (and `kLoop` fusions made only of such instructions), forward to
-its users and backward to operands used only inside it. Inside the region every value
-becomes its shard (in place: a new shape and new operands); scalar broadcasts stay
-broadcasts; other full-size operands, which must be the same on every device of the
-group (weights, optimizer state), are dynamic-sliced. Values leaving the step (through
+its users and backward to operands used only inside it. It also takes in statistics that
+span some of the gradient's dimensions (Adafactor's factored second moments): a reduce
+of some dimensions of a region value, elementwise instructions on such values, and their
+broadcasts back to the gradient's shape. Inside the region every value becomes its shard
+(in place: a new shape and new operands); scalar broadcasts stay broadcasts; other
+operands, which must be the same on every device of the group (weights, optimizer
+state), are dynamic-sliced. A statistic that keeps the split dimension is split too (its
+state sliced, its new value gathered); a reduce along the split dimension reduces the
+shard and an all-reduce of the partial results makes the whole statistic, which every
+device then computes with (its state read whole); a statistic needs a split dimension,
+not a flattened shard. Values leaving the step (through
 the root) are all-gathered; a full reduction (global-norm clipping, LAMB/LARS trust
 ratios) becomes a reduction of the shard plus an all-reduce of the partial results; a
-fusion that computes such norms is inlined first, and XLA:CPU's two-step sums (a block
-reduce-window of partial sums, then a reduce of those) are read as one reduction. Anything
-else keeps the weight
+fusion that computes such norms or statistics is inlined first, and XLA:CPU's two-step sums
+(a block reduce-window of partial sums, then a reduce of those) are read as one reduction.
+Anything else keeps the weight
 replicated, with the reason in the report (`pass.report`, and the `xla_passes` logger).
 With `persistent=true` the optimizer state stays sharded between steps: in an entry
 computation its parameter and output become shards; in a Shardy shard_map body they become
