@@ -21,7 +21,9 @@ OPTIMIZERS = {"sgd": lambda: optax.sgd(0.1), "momentum": lambda: optax.sgd(0.1, 
               "adam": lambda: optax.adam(1e-3), "adamw": lambda: optax.adamw(1e-3),
               # Per-tensor norms (LAMB's trust ratios through calls of jnp.linalg.norm) and a global one.
               "lamb": lambda: optax.lamb(1e-3),
-              "clip_adamw": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))}
+              "clip_adamw": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)),
+              # Factored second moments: every kernel is at least 16 in both dimensions.
+              "adafactor": lambda: optax.adafactor(1e-3, min_dim_size_to_factor=16)}
 SHAPES = {"w1": (32, 256), "b1": (256,), "w2": (256, 16)}
 
 
@@ -51,9 +53,10 @@ def _steps(optimizer, style):
 def _train(step, mesh, optimizer, passes, caplog):
     rng = np.random.default_rng(0)
     replicated, batch = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-    params = jax.device_put({k: jnp.asarray(0.1 * rng.standard_normal(s), jnp.float32)
-                             for k, s in SHAPES.items()}, replicated)
-    state = jax.device_put(optimizer.init(params), replicated)
+    params = {k: jnp.asarray(0.1 * rng.standard_normal(s), jnp.float32) for k, s in SHAPES.items()}
+    # The state is made from the unplaced parameters: adafactor's init broadcasts zeros like them,
+    # which JAX refuses for arrays on an explicit mesh outside a mesh context.
+    params, state = jax.device_put((params, optimizer.init(params)), replicated)
     x = jax.device_put(rng.standard_normal((64, 32)).astype(np.float32), batch)
     y = jax.device_put(rng.standard_normal((64, 16)).astype(np.float32), batch)
     jax.clear_caches()
@@ -69,6 +72,11 @@ def _train(step, mesh, optimizer, passes, caplog):
 @pytest.mark.parametrize("style", ["jit_named_sharding", "shard_map", "pmap_style"])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_every_weight_is_sharded_and_the_numbers_are_equal(name, style, caplog):
+    if (name, style) == ("adafactor", "jit_named_sharding"):
+        # XLA computes the kernels' gradients transposed, and the statistics' fusions read them in
+        # that order while the update's fusions transpose them: the gradient reorderings are not
+        # hoisted before the all-reduce then, and the kernels stay replicated (the numbers are equal).
+        pytest.xfail("transposed gradients read by Adafactor's row and column statistics")
     caplog.set_level("INFO", logger="xla_passes")
     optimizer = OPTIMIZERS[name]()
     mesh, step = _steps(optimizer, style)
@@ -81,7 +89,7 @@ def test_every_weight_is_sharded_and_the_numbers_are_equal(name, style, caplog):
     assert all(f"params['{k}']" in " ".join(sharded) for k in SHAPES)  # the report names each weight
 
 
-@pytest.mark.parametrize("name", ["momentum", "adam", "lamb", "lars", "clip_adamw"])
+@pytest.mark.parametrize("name", ["momentum", "adam", "lamb", "lars", "clip_adamw", "adafactor"])
 def test_jax_pmap_with_replicated_parameters(name, caplog):
     """`jax.pmap` hands each device `[1, ...]` parameters: XLA's update fusion reshapes the state
     to the gradient's shape and back, which the pass moves out of the fusion (also out of the

@@ -417,7 +417,7 @@ def _hlo_cases() -> dict[str, str]:
 
 CASES = _hlo_cases()
 SHARDED_CASES = ["sgd", "momentum", "nesterov", "adamw", "subset_groups", "iota_groups", "padded", "clipped",
-                 "combined", "chained", "fused", "adam", "keras_adamw", "keras_clipnorm", "lamb"]
+                 "combined", "chained", "fused", "adam", "keras_adamw", "keras_clipnorm", "lamb", "per_row_norm"]
 
 
 def _inputs_for(text: str) -> list[np.ndarray]:
@@ -436,6 +436,16 @@ def test_hand_written_modules_compute_the_same(case):
     big_all_reduces = [i for i in module.entry.instructions
                        if i.opcode == "all-reduce" and i.shape.byte_size >= 256]
     assert not big_all_reduces
+
+
+def test_adafactor_factored_moments_compute_the_same():
+    """The hook's Adafactor kernel update (weight_update_sharding_adafactor.hlo): row statistics
+    of the shard, column sums all-reduced from partial sums, on 8 partitions."""
+    with open(os.path.join(HERE, "weight_update_sharding_adafactor.hlo"), encoding="utf-8") as f:
+        text = f.read()
+    checked = run_and_compare(text, PASS, exact=False, inputs=_per_device_inputs(hlo_tools.parse_module(text)),
+                              **BOUNDS)
+    assert "reduce-scatter" in _opcodes(checked.entry)
 
 
 def test_a_wrong_shard_offset_is_caught():
@@ -595,7 +605,7 @@ KEPT = {
     "not_replicated": "%w1 combines %g with %w, which is not known to be the same on every device of the group",
     "no_update": "no update: the gradient is not combined with weights or optimizer state",
     "norm_in_composite": "non-elementwise use: %u is used by %unorm (call); a call the pass does not inline",
-    "per_row_norm": "non-elementwise use: %squares is used by %rows (reduce)",
+    "per_row_norm_flattened": "%rows reduces the update along some of its dimensions, and no dimension",
     "new_weight_read_again": "non-elementwise use: %w1 is used by %prediction (dot)",
     "unknown_devices": "the module does not say which devices take part in it",
     "no_partition_count": "the module has several replicas but does not say how many partitions",

@@ -31,15 +31,22 @@ all-reduce of a floating-point gradient (an array all-reduce, a leaf of a combin
 tuple all-reduce, or an all-reduce of an all-reduced value as JAX emits for pmean of
 an invariant gradient), the update region grows through elementwise instructions of
 the gradient's shape (and `kLoop` fusions made only of such instructions), forward to
-its users and backward to operands used only inside it. Inside the region every value
-becomes its shard (in place: a new shape and new operands); scalar broadcasts stay
-broadcasts; other full-size operands, which must be the same on every device of the
-group (weights, optimizer state), are dynamic-sliced. Values leaving the step (through
+its users and backward to operands used only inside it. It also takes in statistics that
+span some of the gradient's dimensions (Adafactor's factored second moments): a reduce
+of some dimensions of a region value, elementwise instructions on such values, and their
+broadcasts back to the gradient's shape. Inside the region every value becomes its shard
+(in place: a new shape and new operands); scalar broadcasts stay broadcasts; other
+operands, which must be the same on every device of the group (weights, optimizer
+state), are dynamic-sliced. A statistic that keeps the split dimension is split too (its
+state sliced, its new value gathered); a reduce along the split dimension reduces the
+shard and an all-reduce of the partial results makes the whole statistic, which every
+device then computes with (its state read whole); a statistic needs a split dimension,
+not a flattened shard. Values leaving the step (through
 the root) are all-gathered; a full reduction (global-norm clipping, LAMB/LARS trust
 ratios) becomes a reduction of the shard plus an all-reduce of the partial results; a
-fusion that computes such norms is inlined first, and XLA:CPU's two-step sums (a block
-reduce-window of partial sums, then a reduce of those) are read as one reduction. Anything
-else keeps the weight
+fusion that computes such norms or statistics is inlined first, and XLA:CPU's two-step sums
+(a block reduce-window of partial sums, then a reduce of those) are read as one reduction.
+Anything else keeps the weight
 replicated, with the reason in the report (`pass.report`, and the `xla_passes` logger).
 With `persistent=true` the optimizer state stays sharded between steps: in an entry
 computation its parameter and output become shards; in a Shardy shard_map body they become
@@ -216,6 +223,14 @@ class _Plan:
             return shape.with_dims(self.shard_dims)
         return _with_layout_like(Shape.array(shape.dtype, self.shard_dims), shape)
 
+    def projection_shard_shape(self, shape: Shape, axes: tuple[int, ...]) -> Shape:
+        """One device's part of a value that spans the weight's dimensions `axes` (a row or column
+        statistic): split where it spans the split dimension, else the whole value."""
+        if axes == tuple(range(len(self.full_dims))):
+            return self.shard_shape(shape)
+        return shape.with_dims(tuple(size // self.group_size if axis == self.dimension else size
+                                     for axis, size in zip(axes, shape.dims)))
+
 
 def _choose_plan(shape: Shape, group_size: int, collective_shapes: list[Shape], layouts_final: bool) -> _Plan:
     """Split the most major dimension that divides evenly; else flatten.
@@ -261,8 +276,21 @@ class _Region:
     # (member, user) uses that keep the weight replicated, and why the first one does
     blocking: list[tuple[HloInstruction, HloInstruction]] = dataclasses.field(default_factory=list)
     blocking_reason: str = ""
+    # member -> the weight's dimensions it spans, for members that span fewer than all of them:
+    # statistics reduced along some dimensions (Adafactor's row and column means), in order
+    projections: dict = dataclasses.field(default_factory=dict)
     plan: _Plan | None = None
     report: WeightReport | None = None
+
+    def axes(self, member: HloInstruction) -> tuple[int, ...]:
+        return self.projections.get(member, tuple(range(len(self.tops[0].shape.dims))))
+
+    def split(self, member: HloInstruction) -> bool:
+        """Whether each device holds a part of `member` (else every device computes all of it)."""
+        return self.plan.dimension is None or self.plan.dimension in self.axes(member)
+
+    def shard_shape(self, member: HloInstruction) -> Shape:
+        return self.plan.projection_shard_shape(member.shape, self.axes(member))
 
 
 class _ComputationSharder:
@@ -299,11 +327,12 @@ class _ComputationSharder:
             leaves = self._gradient_leaves()
             chains = self._chains(leaves)
             regions = self._regions(chains)
-            # Uses that are reductions in disguise: fusions that compute norms (inlined: their
-            # reductions then combine), and XLA:CPU's reduce-windows of partial sums that are summed
-            # again (collapsed into one reduction); then look again.
+            # Uses that are reductions in disguise: fusions that compute norms or row and column
+            # statistics (inlined: their reductions and broadcasts then join the region), and XLA:CPU's
+            # reduce-windows of partial sums that are summed again (collapsed into one reduction);
+            # then look again.
             fixable = {user for region in regions if not self._problem(region)
-                       and all(_is_norm_fusion(u) or _is_collapsible(u) for _, u in region.blocking)
+                       and all(_is_fixable_use(u) for _, u in region.blocking)
                        for _, user in region.blocking}
             if not fixable:
                 break
@@ -438,34 +467,39 @@ class _ComputationSharder:
     def _grow(self, key, full_dims, tops: list[_Leaf]) -> list[_Region]:
         analysis = self._analysis(key)
         seeds = [v for top in tops for v in top.values]
-        members = set(seeds)
+        all_axes = tuple(range(len(full_dims)))
+        members = {seed: all_axes for seed in seeds}   # member -> the weight's dimensions it spans
         blocked: dict[HloInstruction, HloInstruction] = {}  # elementwise users held back, and why
         work = list(seeds)
         while work:
             value = work.pop()
             for user in value.users:
-                if user in members or not _elementwise_like(user, full_dims):
+                if user in members:
+                    continue
+                axes = _spanned_axes(user, members, full_dims)
+                if axes is None:
                     continue
                 differing = [o for o in user.operands if o not in members and not analysis.is_replicated(o)]
                 if differing:
                     blocked[user] = differing[0]
                     continue
-                members.add(user)
+                members[user] = axes
                 work.append(user)
         grown = True
         while grown:  # pull in replicated elementwise operands used only inside the region
             grown = False
-            for member in list(members):
+            for member, axes in list(members.items()):
                 for operand in member.operands:
-                    if (operand not in members and _elementwise_like(operand, full_dims)
+                    if (operand not in members and _elementwise_like(operand, tuple(full_dims[a] for a in axes))
                             and analysis.is_replicated(operand) and not operand.is_root
-                            and all(u in members for u in operand.users)):
-                        members.add(operand)
+                            and all(u in members and members[u] == axes for u in operand.users)):
+                        members[operand] = axes
                         grown = True
-        components = sorted(_connected_components(members), key=lambda c: min(self._order[m] for m in c))
-        return [self._describe_region(key, component, tops, blocked) for component in components]
+        components = sorted(_connected_components(set(members)), key=lambda c: min(self._order[m] for m in c))
+        projections = {m: axes for m, axes in members.items() if axes != all_axes}
+        return [self._describe_region(key, component, tops, blocked, projections) for component in components]
 
-    def _describe_region(self, key, component: set, tops: list[_Leaf], blocked) -> _Region:
+    def _describe_region(self, key, component: set, tops: list[_Leaf], blocked, projections) -> _Region:
         """The region of one connected set of members: what it slices, where its values go."""
         order = sorted(component, key=self._order.get)
         region_tops = [t for t in tops if t.values[0] in component]
@@ -477,7 +511,8 @@ class _ComputationSharder:
                 if (operand not in component and operand not in sliced and operand.shape.rank > 0
                         and not _is_scalar_broadcast(operand)):
                     sliced.append(operand)
-        region = _Region(key, order, region_tops, sliced, frozenset(order))
+        region = _Region(key, order, region_tops, sliced, frozenset(order),
+                         projections={m: a for m, a in projections.items() if m in component})
         for member in order:
             if member.is_root:
                 region.outputs.append((member, None))
@@ -493,7 +528,7 @@ class _ComputationSharder:
         # The reason names a use that stops the weight: a norm fusion or a reduce-window of partial
         # sums stops it only when nothing else does (`run` takes them apart otherwise).
         stopping = [(m, u) for m, u in region.blocking
-                    if u in blocked or not (_is_norm_fusion(u) or _is_collapsible(u))]
+                    if u in blocked or not _is_fixable_use(u)]
         for member, user in stopping[:1] or region.blocking[:1]:
             region.blocking_reason = _use_reason(member, user, blocked.get(user))
         return region
@@ -515,8 +550,11 @@ class _ComputationSharder:
             collective_shapes = []
             if self.module.layouts_final:
                 collective_shapes = [leaf.operand.shape for top in region.tops for leaf in chains[top]]
-                collective_shapes += [member.shape for member in region.members]
+                collective_shapes += [member.shape for member in region.members if member not in region.projections]
             region.plan = _choose_plan(shape, group_size, collective_shapes, self.module.layouts_final)
+            reason = self._projection_problem(region)
+            if reason:
+                region.plan = None
         plan = region.plan
         report = WeightReport(
             computation=self.comp.name, gradient=", ".join(t.describe() for t in region.tops),
@@ -530,6 +568,24 @@ class _ComputationSharder:
             report.shard_bytes = plan.shard_shape(shape).byte_size
         region.report = report
         self.reports.append(report)
+
+    def _projection_problem(self, region: _Region) -> str:
+        """Why the statistics that span some of the weight's dimensions cannot follow the plan
+        ("" when they can): they split along the plan's dimension, which a flattened shard has not,
+        in slices that the all-gather of a laid-out statistic can assemble."""
+        if not region.projections:
+            return ""
+        first = next(iter(region.projections))
+        if region.plan.dimension is None:
+            return (f"%{first.name} reduces the update along some of its dimensions, and no dimension of "
+                    f"{region.tops[0].shape.to_text(print_layout=False)} splits evenly over "
+                    f"{region.plan.group_size} devices (a flattened shard has no rows or columns)")
+        if self.module.layouts_final:
+            for member, axes in region.projections.items():
+                if region.split(member) and not slices_are_contiguous(
+                        member.shape, axes.index(region.plan.dimension)):
+                    return f"%{member.name} is not split into contiguous slices by its layout"
+        return ""
 
     def _weights_beside(self, region: _Region) -> list[HloInstruction]:
         """For a region that stopped before reaching any weight: the parameters that the uses
@@ -626,6 +682,11 @@ class _ComputationSharder:
             index = output_of.get(number) if boundary is None else boundary.body_output_of(number)
             if index is None or root.operand(index) not in members or not all(u in members for u in value.users):
                 continue  # the state must come in and go out through this update alone
+            if value.shape.dims != region.plan.full_dims:
+                if region.split(root.operand(index)):
+                    refused.append(f"%{value.name} stays full: a statistic that spans some of the weight's "
+                                   f"dimensions is gathered after each step")
+                continue
             spec = None
             if boundary is not None:
                 spec, problem = boundary.split_spec(number, index, region.plan, region.key)
@@ -755,42 +816,61 @@ class _ComputationSharder:
         return self._add("multiply", [base, factors], base.shape, name=f"{chain[0].values[0].name}.shard")
 
     def _shard_in_place(self, region: _Region, member: HloInstruction, shards) -> None:
-        """Make `member` compute its shard: shard operands, shard shape (operands first: post order)."""
-        plan = region.plan
-        operands = [self._shard_operand(operand, region, shards) for operand in member.operands]
+        """Make `member` compute its shard: shard operands, shard shape (operands first: post order).
+        A reduce along the split dimension reduces the shard, and an all-reduce of the partial
+        results stands for it in the region (`shards`)."""
+        axes = region.axes(member)
+        reduces_split_dimension = (member.opcode == "reduce" and region.split(member.operand(0))
+                                   and not region.split(member))
+        operands = [self._shard_operand(operand, region, shards, axes) for operand in member.operands]
         if member.opcode == "fusion":
-            member.attrs["calls"] = self._fused_computation_at_shard_shape(member.attrs["calls"], plan)
+            member.attrs["calls"] = self._fused_computation_at_shard_shape(
+                member.attrs["calls"], member.shape.dims, lambda shape: region.plan.projection_shard_shape(shape, axes))
         member.set_operands(operands)
-        member.set_shape(plan.shard_shape(member.shape))
+        member.set_shape(region.shard_shape(member))
         shards[member] = member
+        if reduces_split_dimension:
+            shards[member] = self._add_collective("all-reduce", [member], region.tops[0].all_reduce,
+                                                  shape=member.shape, to_apply=member.attrs["to_apply"],
+                                                  name=f"{member.name}.sum")
 
-    def _shard_operand(self, operand: HloInstruction, region: _Region, shards) -> HloInstruction:
-        """The shard of a member's operand: a scalar stays; a scalar broadcast is made (or, when only
-        the region uses it, becomes) a broadcast at the shard's shape; anything else is sliced."""
+    def _shard_operand(self, operand: HloInstruction, region: _Region, shards,
+                       axes: tuple[int, ...]) -> HloInstruction:
+        """The shard of an operand of a member that spans the weight's dimensions `axes`: a scalar
+        stays; a scalar broadcast is made (or, when only members that span the same dimensions use
+        it, becomes) a broadcast at the shard's shape; anything else is sliced (a statistic that
+        does not span the split dimension is read whole)."""
         if operand in shards:
             return shards[operand]
         if operand.shape.rank == 0:
             return operand
-        only_the_region_uses_it = not operand.is_root and all(u in region.member_set for u in operand.users)
+        if (operand, axes) in shards:
+            return shards[operand, axes]
+        shard_shape = region.plan.projection_shard_shape(operand.shape, axes)
+        only_the_region_uses_it = not operand.is_root and all(
+            u in region.member_set and region.axes(u) == axes for u in operand.users)
         if _is_scalar_broadcast(operand) and only_the_region_uses_it:
-            operand.set_shape(region.plan.shard_shape(operand.shape))
+            operand.set_shape(shard_shape)
             shard = operand
         elif _is_scalar_broadcast(operand):
-            shard = self._add("broadcast", [operand.operand(0)], region.plan.shard_shape(operand.shape),
-                              attrs={"dimensions": ()}, name=f"{operand.name}.shard")
+            shard = self._add("broadcast", [operand.operand(0)], shard_shape, attrs={"dimensions": ()},
+                              name=f"{operand.name}.shard")
+        elif axes != tuple(range(len(region.plan.full_dims))):
+            shard = self._slice_projection(operand, region, axes)
         else:
             shard = self._slice(operand, region)
-        shards[operand] = shard
+        shards[operand, axes] = shard
         return shard
 
-    def _fused_computation_at_shard_shape(self, fused: HloComputation, plan: _Plan) -> HloComputation:
-        """`fused` with its full-size arrays at the shard's shape: itself when only one fusion
-        calls it, else a clone."""
+    def _fused_computation_at_shard_shape(self, fused: HloComputation, dims: tuple[int, ...],
+                                          shard_shape) -> HloComputation:
+        """`fused` with its arrays of `dims` (the fusion's) at `shard_shape` of them: itself when
+        only one fusion calls it, else a clone."""
         if len(self._callers.get(fused, [])) != 1:
             fused = self.module.clone_computation(fused, suffix="shard")
         for instr in fused.instructions:
-            if instr.shape.is_array and instr.shape.dims == plan.full_dims:
-                instr.set_shape(plan.shard_shape(instr.shape))
+            if instr.shape.is_array and instr.shape.dims == dims:
+                instr.set_shape(shard_shape(instr.shape))
         return fused
 
     def _route_outputs(self, region: _Region, shards, kept_sharded: set[int], full_shapes) -> None:
@@ -799,8 +879,11 @@ class _ComputationSharder:
         gathered = {}
 
         def full_value(member):
+            if not region.split(member):
+                return shards[member]
             if member not in gathered:
-                gathered[member] = self._gather(shards[member], full_shapes[member], member.name, region)
+                gathered[member] = self._gather(shards[member], full_shapes[member], member.name, region,
+                                                region.axes(member))
             return gathered[member]
 
         for member, user in region.outputs:
@@ -817,12 +900,15 @@ class _ComputationSharder:
         partial results takes its place."""
         plan = region.plan
         for reduce in region.reductions:
-            shard = shards[reduce.operand(0)]
+            member = reduce.operand(0)
+            shard = shards[member]
             init = reduce.operand(1)
             if plan.padded_elements != plan.elements and plan.dimension is None:
                 shard = self._mask_padding(shard, init, region)
             reduce.set_operand(0, shard)
             reduce.attrs["dimensions"] = tuple(range(shard.shape.rank))
+            if not region.split(member):
+                continue  # a statistic every device holds whole: its reduction is already the total
             total = self._add_collective("all-reduce", [reduce], region.tops[0].all_reduce, shape=reduce.shape,
                                          to_apply=reduce.attrs["to_apply"], name=f"{reduce.name}.sum")
             reduce.replace_all_uses_with(total)
@@ -866,13 +952,27 @@ class _ComputationSharder:
         return self._add("dynamic-slice", [prepared, *indices], plan.shard_shape(prepared.shape),
                          attrs={"dynamic_slice_sizes": plan.shard_dims}, name=f"{full.name}.shard")
 
-    def _gather(self, shard: HloInstruction, full_shape: Shape, name: str, region: _Region) -> HloInstruction:
-        """The full value of `shard` (of a value named `name`), assembled from every device's."""
+    def _slice_projection(self, full: HloInstruction, region: _Region, axes: tuple[int, ...]) -> HloInstruction:
+        """This device's part of a statistic that spans the weight's dimensions `axes`, which every
+        device of the group holds whole: sliced along the split dimension, or all of it."""
+        plan = region.plan
+        if plan.dimension not in axes:
+            return full
+        split = axes.index(plan.dimension)
+        indices = [self._offset(region) if position == split else self._zero() for position in range(len(axes))]
+        shape = plan.projection_shard_shape(full.shape, axes)
+        return self._add("dynamic-slice", [full, *indices], shape,
+                         attrs={"dynamic_slice_sizes": shape.dims}, name=f"{full.name}.shard")
+
+    def _gather(self, shard: HloInstruction, full_shape: Shape, name: str, region: _Region,
+                axes: tuple[int, ...]) -> HloInstruction:
+        """The full value of `shard` (of a value named `name` that spans the weight's dimensions
+        `axes`), assembled from every device's."""
         plan = region.plan
         source = region.tops[0].all_reduce
         if plan.dimension is not None:
             return self._add_collective("all-gather", [shard], source, shape=full_shape,
-                                        dimensions=(plan.dimension,), name=f"{name}.gathered")
+                                        dimensions=(axes.index(plan.dimension),), name=f"{name}.gathered")
         flat_shape = _with_layout_like(Shape.array(full_shape.dtype, (plan.padded_elements,)), full_shape)
         gathered = self._add_collective("all-gather", [shard], source, shape=flat_shape, dimensions=(0,),
                                         name=f"{name}.gathered_flat")
@@ -1426,6 +1526,39 @@ def _elementwise_like(instr: HloInstruction, full_dims: tuple[int, ...]) -> bool
     return False
 
 
+def _spanned_axes(user: HloInstruction, members: dict, full_dims: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The weight's dimensions that `user` spans when the update region can take it in, else None.
+
+    `members` maps the region's values to the dimensions each spans. The region takes in an
+    elementwise instruction (or kLoop fusion of them) over values that span the same dimensions,
+    a reduce of some (not all: `_full_reduction_of`) of a value's dimensions with a reducer whose
+    partial results combine, from its identity, and a broadcast of a value back to the weight's
+    shape along the dimensions it spans (Adafactor's row and column statistics, `_Plan.projection_shard_shape`).
+    """
+    spans = {members[o] for o in user.operands if o in members}
+    if len(spans) != 1:
+        return None
+    (axes,) = spans
+    if user.opcode == "reduce":
+        if user.operand_count != 2 or user.operand(0) not in members or not _reduces_from_identity(user):
+            return None
+        reduced = set(user.attrs.get("dimensions", ()))
+        kept = tuple(axis for position, axis in enumerate(axes) if position not in reduced)
+        return kept or None
+    if user.opcode == "broadcast":
+        if user.shape.dims == full_dims and tuple(user.attrs.get("dimensions", ())) == axes and \
+                not user.control_predecessors:
+            return tuple(range(len(full_dims)))
+        return None
+    return axes if _elementwise_like(user, tuple(full_dims[axis] for axis in axes)) else None
+
+
+def _reduces_from_identity(reduce: HloInstruction) -> bool:
+    """A reduce whose reducer's partial results combine, from the reducer's identity."""
+    opcode = reducer_opcode(reduce.attrs["to_apply"])
+    return opcode in _REDUCER_IDENTITY and _is_identity(reduce.operand(1), opcode)
+
+
 def _elementwise_fused_computation(fused: HloComputation, full_dims) -> bool:
     """A fused computation of elementwise instructions on full-size arrays and scalars."""
     for instr in fused.instructions:
@@ -1744,22 +1877,88 @@ def _reduced_fully(value: HloInstruction, opcode: str) -> bool:
 
 
 def _collapse_block_reduction(reduce_window: HloInstruction) -> None:
-    """`reduce(reduce-window(x))` becomes `reduce(x)` (`_block_reduction_opcode`, `_reduced_fully`):
-    the scalar norm fusions that reduce the partial results are inlined first."""
+    """`reduce(reduce-window(x))` becomes `reduce(x)` (`_block_reduction_opcode`, `_reduced_fully`,
+    `_partials_reduced`): the fusions that reduce the partial results are inlined first."""
     source = reduce_window.operand(0)
     for fusion in list(dict.fromkeys(u for u in reduce_window.users if u.opcode == "fusion")):
         _inline_fusion(fusion)
     for reduce in list(reduce_window.users):
         reduce.set_operand(0, source)
-        reduce.attrs["dimensions"] = tuple(range(source.shape.rank))
     if not reduce_window.users:
         reduce_window.parent.remove_instruction(reduce_window)
 
 
 def _is_collapsible(instr: HloInstruction) -> bool:
-    """A block reduce-window whose partial results are only reduced in full with its reducer."""
+    """A block reduce-window whose partial results are only reduced in full with its reducer, or
+    only reduced further along the dimensions it reduces (`_collapses_into`), also once the
+    fusions that read them are inlined."""
     opcode = _block_reduction_opcode(instr)
-    return opcode is not None and _reduced_fully(instr, opcode)
+    if opcode is None:
+        return False
+    return _reduced_fully(instr, opcode) or _partials_reduced(instr, instr.attrs["window"], opcode)
+
+
+def _partials_reduced(value: HloInstruction, window, opcode: str) -> bool:
+    """Whether every use of `value`, the partial results of a block reduce-window with `window`
+    and the reducer `opcode`, reduces them further (`_reduces_blocks`): a reduce, or a fusion
+    that `run` inlines whose parameters bound to `value` are only so reduced."""
+    if not value.users or value.is_root:
+        return False
+    for user in value.users:
+        if user.opcode == "fusion" and (_is_statistics_fusion(user) or _is_norm_fusion(user)):
+            fused = user.attrs["calls"]
+            for number, operand in enumerate(user.operands):
+                parameter = fused.parameter(number)
+                if operand is value and (not parameter.users or parameter.is_root or not all(
+                        _reduces_blocks(u, parameter, window, opcode, user) for u in parameter.users)):
+                    return False
+        elif not _reduces_blocks(user, value, window, opcode):
+            return False
+    return True
+
+
+def _reduces_blocks(reduce: HloInstruction, value: HloInstruction, window, opcode: str,
+                    fusion: HloInstruction | None = None) -> bool:
+    """Whether `reduce` reduces `value`, the partial results of a block reduce-window with `window`
+    and the reducer `opcode`, with that reducer from its identity along every dimension in which a
+    window holds more than one element (or is padded): it then reduces the reduce-window's operand
+    along the same dimensions (in another order). Inside the fused computation of `fusion`, the
+    identity may come in as a parameter that `fusion` binds to a constant."""
+    if reduce.opcode != "reduce" or reduce.operand_count != 2 or reduce.operand(0) is not value:
+        return False
+    init = reduce.operand(1)
+    if fusion is not None and init.opcode == "parameter" and init.parent is fusion.attrs["calls"]:
+        init = fusion.operand(init.parameter_number)
+    if reducer_opcode(reduce.attrs["to_apply"]) != opcode or not _is_identity(init, opcode):
+        return False
+    reduced = set(reduce.attrs.get("dimensions", ()))
+    return all(d.size == 1 and d.padding_low == 0 and d.padding_high == 0
+               for dim, d in enumerate(window.dimensions) if dim not in reduced)
+
+
+def _is_statistics_fusion(instr: HloInstruction) -> bool:
+    """A fusion that reduces or broadcasts arrays along some of their dimensions, with elementwise
+    instructions between (Adafactor's row and column statistics, and the update that broadcasts
+    them back): once inlined, the update region takes in its reduces and broadcasts (`_spanned_axes`);
+    its bitcasts and reshapes (a pmap step's `[1, ...]` weights) only pass values in or out. Partial sums of block reduce-windows that leave it must only be reduced further."""
+    if instr.opcode != "fusion" or instr.attrs.get("kind") not in ("kLoop", "kInput", "kCustom") or \
+            not instr.shape.is_array:
+        return False
+    fused = instr.attrs["calls"]
+    if fused.root.opcode == "reduce-window":
+        opcode = _block_reduction_opcode(fused.root, fused, instr)
+        if opcode is None or not _partials_reduced(instr, fused.root.attrs["window"], opcode):
+            return False
+    if not any(i.opcode in ("reduce", "reduce-window", "bitcast", "reshape")
+               or (i.opcode == "broadcast" and not _is_scalar_broadcast(i)) for i in fused.instructions):
+        return False
+    return all(i.opcode in ("parameter", "constant", "reduce", "broadcast", "bitcast", "reshape")
+               or i.opcode in ELEMENTWISE or _block_reduction_opcode(i, fused) is not None for i in fused.instructions)
+
+
+def _is_fixable_use(instr: HloInstruction) -> bool:
+    """A use that stops the update region only until `run` inlines or collapses it."""
+    return _is_norm_fusion(instr) or _is_statistics_fusion(instr) or _is_collapsible(instr)
 
 
 def _inline_fusion(fusion: HloInstruction) -> None:
