@@ -20,7 +20,7 @@ import xla_passes.jax
 OPTIMIZERS = {"sgd": lambda: optax.sgd(0.1), "momentum": lambda: optax.sgd(0.1, momentum=0.9),
               "adam": lambda: optax.adam(1e-3), "adamw": lambda: optax.adamw(1e-3),
               # Per-tensor norms (LAMB's trust ratios through calls of jnp.linalg.norm) and a global one.
-              "lamb": lambda: optax.lamb(1e-3),
+              "lamb": lambda: optax.lamb(1e-3), "lars": lambda: optax.lars(1e-3),
               "clip_adamw": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)),
               # Factored second moments: every kernel is at least 16 in both dimensions.
               "adafactor": lambda: optax.adafactor(1e-3, min_dim_size_to_factor=16)}
@@ -96,7 +96,7 @@ def test_jax_pmap_with_replicated_parameters(name, caplog):
     fusion after a norm's, which adds LAMB's and LARS's scaled update to the weight). Nothing in a
     pmap module says the parameters are equal on every device: `assume_replicated_parameters=true`."""
     caplog.set_level("INFO", logger="xla_passes")
-    optimizer = optax.lars(1e-3) if name == "lars" else OPTIMIZERS[name]()
+    optimizer = OPTIMIZERS[name]()
 
     def step(params, state, x, y):
         grads = jax.lax.pmean(jax.grad(_loss)(params, x, y), "i")

@@ -448,6 +448,23 @@ def test_adafactor_factored_moments_compute_the_same():
     assert "reduce-scatter" in _opcodes(checked.entry)
 
 
+@pytest.mark.parametrize("case", ["hook_lars", "diamond"])
+def test_lars_at_the_hook_computes_the_same(case):
+    """weight_update_sharding_lars.hlo: after the rewrite the norms that read the gradient as XLA
+    computed it (transposed) read the transposed-back one, on shards; the outputs stay those of
+    the original."""
+    with open(os.path.join(HERE, "weight_update_sharding_lars.hlo"), encoding="utf-8") as f:
+        chunks = [c[re.search(r"^HloModule", c, re.M).start():] for c in f.read().split("// -----")]
+    text = next(c for c in chunks if c.startswith(f"HloModule {case},"))
+    module = hlo_tools.parse_module(text)
+    module.layouts_final = True
+    hlo_pass = xla_passes.pass_class(PASS)()
+    assert xla_passes.run_passes(module, [hlo_pass])
+    assert [report.sharded for report in hlo_pass.report] == [True], [str(r) for r in hlo_pass.report]
+    _, _, comparison = runner.compare_modules(module.to_text(), text, _inputs_for(text), **BOUNDS)
+    assert comparison.ok, comparison.format()
+
+
 def test_a_wrong_shard_offset_is_caught():
     """The inputs make every element count: shards taken one block off give other results."""
     text = CASES["momentum"]

@@ -309,6 +309,7 @@ class _ComputationSharder:
         self._dead: list[HloInstruction] = []
         self._callers = module.callers()
         self._op_names_of: dict[HloComputation, set[str]] = {}
+        self._unhoisted: dict[HloInstruction, str] = {}  # gradient value -> why its reordering stayed
 
     def _shared_op_names(self, comp: HloComputation) -> set[str]:
         """The op_names that several parameters of `comp` carry."""
@@ -365,6 +366,12 @@ class _ComputationSharder:
         `reshape`) and each fusion reads the gradient in the weight's order, at the weight's
         shape: an elementwise update that the pass can shard. The transpose moves from the
         reduced gradient, once per fusion, to the local one, once.
+
+        LARS reads the gradient through the transpose (the update, one norm) and also without
+        it (optax's safe norm of it). Those reads take the reordered gradient too, which is only
+        correct because all that becomes of them is full reductions (`_reduced_in_any_order`):
+        the same elements, combined in another order. Where a read does anything else, nothing is
+        hoisted and the report says why (`self._unhoisted`).
         """
         self._order = {instr: i for i, instr in enumerate(self.comp.post_order())}
         hoisted = False
@@ -372,11 +379,23 @@ class _ComputationSharder:
             if leaf.shape.byte_size < self.options.threshold_bytes or not _is_gradient_shape(leaf.shape):
                 continue
             hoisted |= self._lift_update_reshapes(leaf)
-            users = [user for value in leaf.values for user in value.users]
-            keys = {_reordering_in_fusion(user, value) for value in leaf.values for user in value.users}
-            if not users or len(keys) != 1 or None in keys or any(v.is_root for v in leaf.values):
+            if any(v.is_root for v in leaf.values):
                 continue
-            _hoist_reordering(self.module, leaf, keys.pop())
+            reordered, direct = {}, []
+            for value in leaf.values:
+                for user in value.users:
+                    key = _reordering_in_fusion(user, value)
+                    if key is not None:
+                        reordered[user] = key
+                    elif user not in direct:
+                        direct.append(user)
+            if not reordered:
+                continue
+            refusal = _hoisting_refusal(leaf, reordered, direct)
+            if refusal:
+                self._unhoisted.update(dict.fromkeys(leaf.values, refusal))
+                continue
+            _hoist_reordering(self.module, leaf, next(iter(reordered.values())), direct)
             hoisted = True
         return hoisted
 
@@ -543,7 +562,10 @@ class _ComputationSharder:
         """Set the region's plan, or find why it stays replicated; record the report."""
         shape = region.tops[0].shape
         group_size = len(region.key[1][0]) if region.key else 0
-        reason = self._problem(region) or region.blocking_reason
+        reason = self._problem(region)
+        if not reason and region.blocking_reason:  # and why a reordering that stops it was not hoisted
+            reason = region.blocking_reason + "".join(
+                dict.fromkeys(self._unhoisted.get(v, "") for t in region.tops for v in t.values))
         if not reason and not region.sliced:
             reason = "no update: the gradient is not combined with weights or optimizer state"
         if not reason:
@@ -1720,14 +1742,74 @@ def _reordering_in_fusion(user: HloInstruction, value: HloInstruction):
     return keys.pop() if len(keys) == 1 else None
 
 
-def _hoist_reordering(module: HloModule, leaf: "_Leaf", key) -> None:
+def _hoisting_refusal(leaf: "_Leaf", reordered: dict, direct: list[HloInstruction]) -> str:
+    """Why the gradient `leaf`, read through reorderings by the fusions `reordered` (fusion ->
+    `_reordering`) and without one by `direct`, is not reordered before its all-reduce ("" when
+    it can be: one reordering, and the direct reads only reduce it in full)."""
+    keys = list(dict.fromkeys(reordered.values()))
+    readers = ", ".join(f"%{fusion.name}" for fusion in reordered)
+    if len(keys) > 1:
+        return (f"; its users read it through different reorderings ({', '.join(map(str, keys))}), so it is not "
+                f"reordered before its all-reduce")
+    carried, _, stop = _reduced_in_any_order(leaf.values, direct, leaf.shape.dims)
+    stop = stop or next((f"%{instr.name} ({instr.opcode}) is the result" for instr in carried if instr.is_root), "")
+    if not stop:
+        return ""
+    return (f"; it is read through a {keys[0][0]} by {readers} and without one, where {stop}: only full reductions "
+            f"with add, multiply, maximum, minimum, and or or may read it in another order, so it is not reordered "
+            f"before its all-reduce")
+
+
+def _reduced_in_any_order(values: list[HloInstruction], users: list[HloInstruction], dims: tuple[int, ...]):
+    """Follow `values` (of shape `dims`) into `users`: (the values that carry them elementwise,
+    starting with `values`; the reductions and fusions where they end; "") when all that becomes of
+    them is full reductions with a commutative reducer (`_REDUCER_IDENTITY`). Reading them in
+    another order (transposed, reshaped) then changes only the order in which those reductions
+    combine the same elements. Otherwise the third element says what does something else. A
+    fusion counts by its fused computation; whether a carried value is the result is the caller's
+    question (in a fused computation it makes the fusion carry them)."""
+    position = {instr: n for n, instr in enumerate(values[0].parent.post_order())}
+    carried, ends, work = list(values), [], set(users)
+    while work:
+        user = min(work, key=position.get)  # after its operands: it sees every carried one
+        work.remove(user)
+        if user.control_predecessors:
+            return carried, ends, f"%{user.name} ({user.opcode}) has control dependencies"
+        if (user.opcode == "reduce" and user.operand_count == 2 and user.operand(0) in carried
+                and tuple(sorted(user.attrs.get("dimensions", ()))) == tuple(range(len(dims)))
+                and reducer_opcode(user.attrs["to_apply"]) in _REDUCER_IDENTITY):
+            ends.append(user)
+        elif (user.opcode in ELEMENTWISE and user.shape.is_array and user.shape.dims == dims
+              and all(o in carried or o.shape.rank == 0 or _is_scalar_broadcast(o) or _is_one_element_constant(o)
+                      for o in user.operands)):
+            carried.append(user)
+            work.update(user.users)
+        elif user.opcode == "fusion":
+            fused = user.attrs["calls"]
+            parameters = [fused.parameter(i) for i, o in enumerate(user.operands) if o in carried]
+            inside, _, stop = _reduced_in_any_order(parameters, [u for p in parameters for u in p.users], dims)
+            if stop:
+                return carried, ends, f"{stop} in %{user.name}"
+            if fused.root in inside:
+                carried.append(user)
+                work.update(user.users)
+            else:
+                ends.append(user)
+        else:
+            return carried, ends, f"%{user.name} ({user.opcode}) reads it"
+    return carried, ends, ""
+
+
+def _hoist_reordering(module: HloModule, leaf: "_Leaf", key, direct: list[HloInstruction]) -> None:
     """`all-reduce(x)` read through the reordering `key` becomes `all-reduce(reordered x)` read
-    directly (`_ComputationSharder._hoist_gradient_reorderings`)."""
+    directly (`_ComputationSharder._hoist_gradient_reorderings`); the `direct` users, which only
+    reduce it in full, read the reordered value too (`_read_reordered`)."""
     comp, all_reduce = leaf.all_reduce.parent, leaf.all_reduce
     source, dims = leaf.operand, leaf.shape.dims
     kind, how = key
     new_dims = [dims[p] for p in how] if kind == "transpose" else how
     shape = _with_layout_like(Shape.array(source.shape.dtype, new_dims), source.shape)
+    _read_reordered(module, leaf.values, direct, dims, shape)
     reordered = comp.add_instruction(kind, [source], shape, attrs={"dimensions": how} if kind == "transpose" else None,
                                      name=f"{source.name}.{'transposed' if kind == 'transpose' else 'reshaped'}",
                                      before=all_reduce)
@@ -1743,6 +1825,8 @@ def _hoist_reordering(module: HloModule, leaf: "_Leaf", key) -> None:
     callers = module.callers()
     for value in leaf.values:
         for fusion in list(value.users):
+            if fusion in direct:
+                continue
             fused = fusion.attrs["calls"]
             if len(callers.get(fused, [])) != 1:
                 fused = fusion.attrs["calls"] = module.clone_computation(fused, suffix="reordered")
@@ -1750,31 +1834,64 @@ def _hoist_reordering(module: HloModule, leaf: "_Leaf", key) -> None:
                            shape)
 
 
+def _read_reordered(module: HloModule, values: list[HloInstruction], users: list[HloInstruction],
+                    dims: tuple[int, ...], shape: Shape) -> None:
+    """`users` of `values` (of shape `dims`), which only reduce them in full
+    (`_reduced_in_any_order`), read them at `shape`, reordered: what carries them computes at
+    `shape` (fused computations too, cloned when other fusions share them), and the reductions
+    reduce all of its dimensions; the caller reorders `values`."""
+    carried, ends, _ = _reduced_in_any_order(values, users, dims)
+    elementwise = [instr for instr in carried if instr not in values and instr.opcode != "fusion"]
+    if elementwise:
+        _retype_chain(elementwise[0].parent, elementwise, dims, shape)
+    for instr in carried + ends:
+        if instr in values:
+            continue
+        if instr.opcode == "reduce":
+            instr.attrs["dimensions"] = tuple(range(shape.rank))
+        elif instr.opcode == "fusion":
+            fused = instr.attrs["calls"]
+            if len(module.callers().get(fused, [])) != 1:
+                fused = instr.attrs["calls"] = module.clone_computation(fused, suffix="reordered")
+            parameters = [fused.parameter(i) for i, o in enumerate(instr.operands) if o in carried]
+            _read_reordered(module, parameters, [u for p in parameters for u in p.users], dims, shape)
+            for parameter in parameters:
+                parameter.set_shape(shape.with_dtype(parameter.shape.dtype))
+            if instr in carried:
+                instr.set_shape(shape.with_dtype(instr.shape.dtype))
+
+
 def _reorder_first(fused: HloComputation, starts: list[HloInstruction], dims: tuple[int, ...], shape: Shape) -> None:
     """Inside `fused`: the chain from `starts` at `dims` to its reorderings (`_reordered_chain`)
     computes at `shape`, the reordered shape, and the reorderings go; the caller reorders what
     `starts` receive."""
     chain, ends = _reordered_chain(starts, dims)
+    _retype_chain(fused, chain, dims, shape)
+    for end in ends:
+        end.replace_all_uses_with(end.operand(0))
+        fused.remove_instruction(end)
+
+
+def _retype_chain(comp: HloComputation, chain: list[HloInstruction], dims: tuple[int, ...], shape: Shape) -> None:
+    """The elementwise instructions `chain` of `comp` compute at `shape` instead of `dims`, with
+    their one-element constants and scalar broadcasts."""
     for instr in chain:
         for operand in instr.operands:
             if _is_one_element_constant(operand) and operand.shape.rank and operand not in chain:
                 value = operand.literal.to_numpy().reshape(shape.dims)
-                instr.replace_operand_with(operand, fused.add_instruction(
+                instr.replace_operand_with(operand, comp.add_instruction(
                     "constant", [], shape.with_dtype(operand.shape.dtype), literal=Literal.from_numpy(value),
                     before=instr))
                 if not operand.users:
-                    fused.remove_instruction(operand)
+                    comp.remove_instruction(operand)
             elif _is_scalar_broadcast(operand) and operand.shape.dims == dims:
                 if all(u in chain for u in operand.users):
                     operand.set_shape(shape.with_dtype(operand.shape.dtype))
                 else:
-                    instr.replace_operand_with(operand, fused.add_instruction(
+                    instr.replace_operand_with(operand, comp.add_instruction(
                         "broadcast", [operand.operand(0)], shape.with_dtype(operand.shape.dtype),
                         attrs={"dimensions": ()}, before=instr))
         instr.set_shape(shape.with_dtype(instr.shape.dtype))  # a chain may convert
-    for end in ends:
-        end.replace_all_uses_with(end.operand(0))
-        fused.remove_instruction(end)
 
 
 def _is_norm_fusion(instr: HloInstruction) -> bool:
