@@ -320,8 +320,39 @@ class _ComputationSharder:
 
     # -- analysis ----------------------------------------------------------------------------------
     def run(self) -> bool:
-        """Analyse (inlining norm fusions that stand in the way, then again), judge, rewrite."""
-        unfused = self._hoist_gradient_reorderings()
+        """Analyse (inlining the fusions that stand in the way, then again), judge, rewrite.
+
+        Inlining a fusion unfuses what XLA fused (and may change how its float sums round), so it
+        stands only where it lets a weight shard: when every region a fusion was inlined for stays
+        replicated, the computation goes back to how it was and is analysed again without it."""
+        checkpoint = self.module.checkpoint()
+        held_back: set[HloInstruction] = set()   # uses whose inlining let no weight shard
+        looked_inside: dict[str, WeightReport] = {}   # kept with those uses inlined: the reason found there
+        while True:
+            self.reports, self._unhoisted = [], {}
+            unfused = self._hoist_gradient_reorderings()
+            regions, chains, fixed_for = self._analyse(held_back)
+            for region in regions:
+                self._judge(region, chains)
+            sharded = {top.describe() for region in regions if region.plan is not None for top in region.tops}
+            wasted = {use for use, tops in fixed_for.items() if not tops & sharded}
+            if not wasted:
+                break
+            held_back |= wasted
+            looked_inside.update((r.gradient, r) for r in self.reports if not r.sharded)
+            checkpoint.restore()
+        for report in self.reports:
+            if not report.sharded and report.gradient in looked_inside:
+                report.reason, report.weights = looked_inside[report.gradient].reason, looked_inside[report.gradient].weights
+        accepted = [r for r in regions if r.plan is not None]
+        if accepted:
+            self._rewrite(accepted, chains)
+        return bool(accepted) or unfused
+
+    def _analyse(self, held_back: set) -> tuple[list["_Region"], dict, dict]:
+        """The update regions, their chains, and for each use inlined or collapsed on the way
+        (`_is_fixable_use`; not those `held_back`) the gradients of the regions it stood in."""
+        fixed_for: dict[HloInstruction, set[str]] = {}
         while True:
             self._analyses = {}
             self._order = {instr: i for i, instr in enumerate(self.comp.post_order())}
@@ -332,25 +363,22 @@ class _ComputationSharder:
             # statistics (inlined: their reductions and broadcasts then join the region), and XLA:CPU's
             # reduce-windows of partial sums that are summed again (collapsed into one reduction);
             # then look again.
-            fixable = {user for region in regions if not self._problem(region)
-                       and all(_is_fixable_use(u) for _, u in region.blocking)
-                       for _, user in region.blocking}
+            fixable = {}
+            for region in regions:
+                if not self._problem(region) and all(_is_fixable_use(u) and u not in held_back
+                                                     for _, u in region.blocking):
+                    for _, user in region.blocking:
+                        fixable.setdefault(user, set()).update(top.describe() for top in region.tops)
             if not fixable:
-                break
+                return regions, chains, fixed_for
             for user in sorted(fixable, key=self._order.get):
+                fixed_for.setdefault(user, set()).update(fixable[user])
                 if user.parent is not self.comp:
                     continue  # inlined with a fusion that reduced it
                 if user.opcode == "fusion":
                     _inline_fusion(user)
                 elif _is_collapsible(user):
                     _collapse_block_reduction(user)
-            unfused = True
-        for region in regions:
-            self._judge(region, chains)
-        accepted = [r for r in regions if r.plan is not None]
-        if accepted:
-            self._rewrite(accepted, chains)
-        return bool(accepted) or unfused
 
     def _hoist_gradient_reorderings(self) -> bool:
         """Reorder gradients before their all-reduce where XLA fused the reordering into the update.
