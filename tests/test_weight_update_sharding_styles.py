@@ -31,7 +31,7 @@ def _loss(params, x, y):
     return jnp.mean((jnp.tanh(x @ params["w1"] + params["b1"]) @ params["w2"] - y) ** 2)
 
 
-def _steps(optimizer, style):
+def _steps(optimizer, style, loss=_loss):
     mesh = jax.make_mesh((8,), ("data",))
 
     def update(params, state, grads):
@@ -39,10 +39,10 @@ def _steps(optimizer, style):
         return optax.apply_updates(params, updates), state
 
     def global_step(params, state, x, y):
-        return update(params, state, jax.grad(_loss)(params, x, y))
+        return update(params, state, jax.grad(loss)(params, x, y))
 
     def local_step(params, state, x, y):
-        return update(params, state, jax.lax.pmean(jax.grad(_loss)(params, x, y), "data"))
+        return update(params, state, jax.lax.pmean(jax.grad(loss)(params, x, y), "data"))
 
     if style == "jit_named_sharding":
         return mesh, global_step
@@ -87,6 +87,67 @@ def test_every_weight_is_sharded_and_the_numbers_are_equal(name, style, caplog):
     sharded = [line for line in got[2] if ": sharded " in line]
     assert len(sharded) == len(SHAPES), "\n".join(got[2])
     assert all(f"params['{k}']" in " ".join(sharded) for k in SHAPES)  # the report names each weight
+
+
+def _mixed_precision_loss(params, x, y):
+    """The loss computed in bfloat16 from float32 master weights (the gradients come back float32)."""
+    low = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+    out = jnp.tanh(x.astype(jnp.bfloat16) @ low["w1"] + low["b1"]) @ low["w2"]
+    return jnp.mean((out.astype(jnp.float32) - y) ** 2)
+
+
+def _multisteps(**options):
+    return optax.MultiSteps(optax.adam(1e-3), every_k_schedule=2, **options)
+
+
+def _sharded_and_equal(optimizer, style, loss, caplog):
+    """Train plainly and with the pass; assert equal numbers; return the pass's report lines."""
+    caplog.set_level("INFO", logger="xla_passes")
+    mesh, step = _steps(optimizer, style, loss)
+    expected = _train(step, mesh, optimizer, None, caplog)
+    got = _train(step, mesh, optimizer, "weight-update-sharding", caplog)
+    for a, b in zip(jax.tree.leaves(got[:2]), jax.tree.leaves(expected[:2])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    return got[2]
+
+
+@pytest.mark.parametrize("style", ["jit_named_sharding", "shard_map", "pmap_style"])
+@pytest.mark.parametrize("loss", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["adam", "multisteps"])
+def test_gradient_accumulation_and_mixed_precision(name, loss, style, caplog):
+    """optax.MultiSteps computes the inner update every step and selects it (`jnp.where`) on the
+    last micro-step, the accumulator elementwise in the gradient: every weight shards (its
+    accumulator too). A bfloat16 loss from float32 master weights hands the all-reduce float32
+    gradients (XLA:CPU promotes a bfloat16 all-reduce): every weight shards, except Adam's kernels
+    under jit + NamedSharding, whose gradients XLA converts to bfloat16 after the all-reduce and
+    transposes inside the update's fusions (the pass moves a transpose before the all-reduce only
+    when it is the gradient's first use). The runs below give identical numbers with and without
+    the pass, so the float32 bounds hold for the bfloat16 loss too."""
+    optimizer = _multisteps() if name == "multisteps" else OPTIMIZERS[name]()
+    report = _sharded_and_equal(optimizer, style, _mixed_precision_loss if loss == "bfloat16" else _loss, caplog)
+    sharded = [line for line in report if ": sharded " in line]
+    kept_kernels = 2 if (name, loss, style) == ("adam", "bfloat16", "jit_named_sharding") else 0
+    assert len(sharded) == len(SHAPES) - kept_kernels, "\n".join(report)
+    if name == "multisteps":
+        assert all("state.acc_grads[" in line for line in sharded)  # the accumulator is sharded with the weight
+    if kept_kernels:
+        kept = [line for line in report if ": kept " in line]
+        assert len(kept) == kept_kernels and all("with transpose" in line for line in kept), "\n".join(report)
+
+
+@pytest.mark.parametrize("style", ["jit_named_sharding", "shard_map", "pmap_style"])
+def test_multisteps_skipping_updates_keeps_weights_whose_update_is_in_a_conditional(style, caplog):
+    """With a `should_skip_update_fn` MultiSteps runs its update in a `lax.cond` on whether the
+    gradients are finite, which XLA keeps: the gradient is handed to the conditional in a tuple with
+    the whole optimizer state, and the update runs in its branch computations, which the pass does
+    not enter. Every weight stays replicated, the report names the conditional (under jit +
+    NamedSharding with jax 0.10 the kernels' transposed gradients stop at the transposes first),
+    and the numbers are equal."""
+    report = _sharded_and_equal(_multisteps(should_skip_update_fn=optax.skip_not_finite), style, _loss, caplog)
+    assert not [line for line in report if ": sharded " in line], "\n".join(report)
+    entering = [line for line in report if "enters %conditional" in line]
+    transposed = [line for line in report if "with transpose" in line]
+    assert len(entering) == len(SHAPES) - len(transposed) > 0, "\n".join(report)
 
 
 @pytest.mark.parametrize("name", ["momentum", "adam", "lamb", "lars", "clip_adamw", "adafactor"])

@@ -573,9 +573,11 @@ class _ComputationSharder:
                 else:
                     region.blocking.append((member, user))
         # The reason names a use that stops the weight: a norm fusion or a reduce-window of partial
-        # sums stops it only when nothing else does (`run` takes them apart otherwise).
+        # sums stops it only when nothing else does (`run` takes them apart otherwise); control flow
+        # that the update continues in is named first, as no other fix would let the weight shard.
         stopping = [(m, u) for m, u in region.blocking
                     if u in blocked or not _is_fixable_use(u)]
+        stopping.sort(key=lambda use: _control_flow_entered(use[1]) is None)
         for member, user in stopping[:1] or region.blocking[:1]:
             region.blocking_reason = _use_reason(member, user, blocked.get(user))
         return region
@@ -1652,7 +1654,23 @@ def _use_reason(member: HloInstruction, user: HloInstruction, differing: HloInst
                    "reduces with its reducer, from the identity, sum all of its results and are their only uses")
     if user.opcode == "call":
         reason += "; a call the pass does not inline (a Shardy body, a composite, or one with control dependencies)"
+    control_flow = _control_flow_entered(user)
+    if control_flow is not None:
+        through = f" through %{user.name}" if control_flow is not user else ""
+        reason = (f"%{member.name} enters %{control_flow.name} ({control_flow.opcode}){through}: the update "
+                  f"continues inside its computations, which the pass does not shard (a lax.cond such as "
+                  f"optax.MultiSteps's with should_skip_update_fn, or a loop)")
     return reason
+
+
+def _control_flow_entered(user: HloInstruction) -> HloInstruction | None:
+    """The conditional or while loop that `user` is, or hands its tuple to: the region's values go on
+    into computations that only run on some steps or several times, where the pass does not follow."""
+    if user.opcode in ("conditional", "while"):
+        return user
+    if user.opcode == "tuple":
+        return next((u for u in user.users if u.opcode in ("conditional", "while")), None)
+    return None
 
 
 def _reordering(instr: HloInstruction):
