@@ -47,6 +47,7 @@ from collections.abc import Iterable, Sequence
 
 import hlo_tools
 from hlo_tools.xla import proto_patch, xla_bridge
+from hlo_tools.ir import sdy
 from hlo_tools.ir.attributes import parse_buffer_donor
 from hlo_tools.ir.errors import one_line
 from hlo_tools.garbage_collection import garbage_collection_paused
@@ -412,6 +413,59 @@ def jit(fun, *, passes: str, strict: bool = False, check: bool | None = None, **
                       check=check_requested() if check is None else check)
 
 
+# Shardy's export writes the sharding of a function's result as this custom call.
+_SHARDY_RESULT_SHARDING = "xla.sdy.FuncResultSharding"
+
+
+def _constraints_in_callees(module: hlo_tools.HloModule) -> bool:
+    """Whether a function the entry calls (not a shard_map body) holds a sharding constraint
+    (`Sharding` custom call; `jnp.where` lowers to such functions). Converted back to StableHLO
+    for JAX, such a module is partitioned by GSPMD, not Shardy, and GSPMD refuses Shardy's
+    result shardings (`_result_shardings_as_constraints`)."""
+    callees = {instr.attrs["to_apply"] for comp in module.computations for instr in comp.instructions
+               if instr.opcode == "call" and not _is_shardy_body_call(instr)}
+    return any(instr.opcode == "custom-call" and instr.attrs.get("custom_call_target") == "Sharding"
+               for callee in callees for instr in callee.instructions)
+
+
+def _result_shardings_as_constraints(module: hlo_tools.HloModule) -> None:
+    """Every Shardy result sharding in `module`'s entry (not those of shard_map results, which
+    GSPMD reads) as the sharding constraint it is for its value: the same Shardy sharding, with
+    its HloSharding. One that names no mesh of the module (or a sub-axis) is dropped: a
+    constraint only guides the partitioner, the values stay."""
+    module_attributes = module.attrs.get("frontend_attributes")
+    meshes = sdy.meshes(module_attributes.get("xla.sdy.meshes") or "") if module_attributes is not None else {}
+    entry = module.entry
+    for instr in list(entry.instructions):
+        if instr.opcode != "custom-call" or instr.attrs.get("custom_call_target") != _SHARDY_RESULT_SHARDING:
+            continue
+        source = instr.operand(0)
+        while source.opcode == "get-tuple-element" or (
+                source.opcode == "custom-call" and source.attrs.get("custom_call_target") == "Sharding"):
+            source = source.operand(0)
+        if source.opcode == "custom-call" and source.attrs.get("custom_call_target", "").startswith("xla.sdy.") \
+                or source.opcode == "call" and _is_shardy_body_call(source):
+            continue
+        frontend = instr.attrs.get("frontend_attributes")
+        found = sdy.values(frontend.get("xla.sdy.sharding") or "") if frontend is not None else []
+        mesh = meshes.get(found[0].mesh) if len(found) == 1 else None
+        per_dim = sdy.dims(found[0].dims_text) if mesh is not None else None
+        if per_dim is None:
+            instr.replace_all_uses_with(instr.operand(0))
+            entry.remove_instruction(instr)
+            continue
+        instr.attrs["custom_call_target"] = "Sharding"
+        instr.attrs.pop("custom_call_has_side_effect", None)
+        instr.attrs["sharding"] = mesh.hlo_sharding(per_dim)
+
+
+def _is_shardy_body_call(call) -> bool:
+    """A call of a shard_map's body, as Shardy exports it."""
+    frontend = call.attrs.get("frontend_attributes")
+    return call.attrs["to_apply"].name.startswith("xla.sdy.") or (
+        frontend is not None and any(key.startswith("xla.sdy") for key, _ in frontend.items))
+
+
 class PassJitted:
     """What `jit` returns: compiles once per argument signature, then calls the executable."""
 
@@ -433,6 +487,7 @@ class PassJitted:
         text = xla_bridge.lowered_module_text(lowered)
         module = hlo_tools.parse_module(text)
         before = _entry_shardings(module)
+        partitioned_by_gspmd = _constraints_in_callees(module)
         pipeline = self._pipeline.clone()
         try:
             changed = pipeline.run(module)
@@ -448,6 +503,8 @@ class PassJitted:
                             verdict.detail)
             rewritten = lowered
             if changed:
+                if partitioned_by_gspmd:
+                    _result_shardings_as_constraints(module)
                 after = _entry_shardings(module)
                 rewritten = xla_bridge.with_lowered_module(
                     lowered, module.to_text(),
@@ -492,13 +549,12 @@ class PassJitted:
             compiled = self._compile(*args, **kwargs)
             self._compiled[key] = compiled
             # the arguments it takes back: its own outputs (state the passes left sharded)
-            self._compiled[self._key(args, kwargs, compiled.input_shardings)] = compiled
-        wanted, _ = compiled.input_shardings
+            self._compiled[self._key(args, kwargs, compiled)] = compiled
         leaves, tree = jax.tree.flatten((dynamic_args, dynamic_kwargs))
-        wanted_leaves = jax.tree.leaves(wanted)
-        if len(wanted_leaves) == len(leaves):  # state the passes sharded goes in sharded
-            leaves = [leaf if _sharding_of(leaf) is None or _sharding_of(leaf).is_equivalent_to(sharding, leaf.ndim)
-                      else jax.device_put(leaf, sharding) for leaf, sharding in zip(leaves, wanted_leaves)]
+        for position, sharding in _taken_shardings(compiled, len(leaves)).items():  # sharded state goes in sharded
+            leaf = leaves[position]
+            if _sharding_of(leaf) is not None and not _sharding_of(leaf).is_equivalent_to(sharding, leaf.ndim):
+                leaves[position] = jax.device_put(leaf, sharding)
         dynamic_args, dynamic_kwargs = jax.tree.unflatten(tree, leaves)
         return compiled(*dynamic_args, **dynamic_kwargs)
 
@@ -512,20 +568,32 @@ class PassJitted:
         return ([a for i, a in enumerate(args) if i not in numbers],
                 {k: v for k, v in kwargs.items() if k not in names})
 
-    def _key(self, args, kwargs, shardings=None):
-        """Static values, and every dynamic leaf's shape, dtype and sharding (or `shardings`')."""
+    def _key(self, args, kwargs, compiled=None):
+        """Static values, and every dynamic leaf's shape, dtype and sharding (or the one `compiled`
+        takes it in)."""
         import jax  # noqa: PLC0415
 
         numbers, names = self._static_numbers(args), self._static[1]
         static = (tuple(a for i, a in enumerate(args) if i in numbers),
                   tuple(sorted((k, v) for k, v in kwargs.items() if k in names)))
         leaves, tree = jax.tree.flatten(self._dynamic(args, kwargs))
-        given = [_sharding_of(leaf) for leaf in leaves]
-        if shardings is not None:
-            given = jax.tree.leaves(shardings[0]) if len(jax.tree.leaves(shardings[0])) == len(leaves) else given
+        taken = _taken_shardings(compiled, len(leaves)) if compiled is not None else {}
+        given = [taken.get(position, _sharding_of(leaf)) for position, leaf in enumerate(leaves)]
         return static, tree, tuple((jax.numpy.shape(leaf), str(jax.numpy.result_type(leaf)),
                                     xla_bridge.sharding_key(sharding, jax.numpy.ndim(leaf)))
                                    for leaf, sharding in zip(leaves, given))
+
+
+def _taken_shardings(compiled, count: int) -> dict:
+    """Position among the `count` flattened dynamic arguments -> the sharding `compiled` takes
+    that argument in (JAX drops arguments the program does not use)."""
+    import jax  # noqa: PLC0415
+
+    wanted = jax.tree.leaves(compiled.input_shardings[0])
+    positions = range(count) if len(wanted) == count else xla_bridge.kept_argument_positions(compiled)
+    if positions is None or len(positions) != len(wanted):
+        return {}
+    return dict(zip(positions, wanted))
 
 
 class PassLowered:

@@ -697,6 +697,13 @@ def compiled_module_text(compiled) -> str:
     return hook_module_text(module.as_serialized_hlo_module_proto())
 
 
+def kept_argument_positions(compiled) -> list[int] | None:
+    """The positions, among a jitted function's flattened arguments, of those the compiled
+    program takes (JAX drops arguments it does not use); None where jax does not say."""
+    kept = getattr(getattr(compiled, "_executable", None), "_kept_var_idx", None)
+    return sorted(kept) if kept is not None else None
+
+
 def with_lowered_module(lowered, text: str, *, resharded_parameters=(), resharded_outputs=(), buffer_donors=()):
     """A copy of `lowered` that compiles the HLO module `text` instead of its own.
 

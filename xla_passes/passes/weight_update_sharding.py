@@ -326,6 +326,8 @@ class _ComputationSharder:
         stands only where it lets a weight shard: when every region a fusion was inlined for stays
         replicated, the computation goes back to how it was and is analysed again without it."""
         checkpoint = self.module.checkpoint()
+        if not self.module.layouts_final:
+            _fold_unit_reshapes(self.comp)
         held_back: set[HloInstruction] = set()   # uses whose inlining let no weight shard
         looked_inside: dict[str, WeightReport] = {}   # kept with those uses inlined: the reason found there
         while True:
@@ -345,9 +347,11 @@ class _ComputationSharder:
             if not report.sharded and report.gradient in looked_inside:
                 report.reason, report.weights = looked_inside[report.gradient].reason, looked_inside[report.gradient].weights
         accepted = [r for r in regions if r.plan is not None]
-        if accepted:
-            self._rewrite(accepted, chains)
-        return bool(accepted) or unfused
+        if not accepted:
+            checkpoint.restore()   # nothing to shard: no reordering, inlining or folding either
+            return False
+        self._rewrite(accepted, chains)
+        return True
 
     def _analyse(self, held_back: set) -> tuple[list["_Region"], dict, dict]:
         """The update regions, their chains, and for each use inlined or collapsed on the way
@@ -1557,6 +1561,31 @@ class _StateShardingForPartitioner:
 
 
 # -- instruction predicates ---------------------------------------------------------------------------
+
+def _fold_unit_reshapes(comp: HloComputation) -> None:
+    """Fold what JAX's lowering of `x[:, None] * y` leaves before XLA's simplifier: a broadcast
+    to its operand's own shape, and a reshape back to the shape a reshape started from (Adafactor's
+    row and column statistics: `f32[32]` reshaped to `f32[32,1]`, broadcast to itself, reshaped
+    back and broadcast to the weight). Both move no element; the update region then reads the
+    statistic's broadcast directly. Only before layout assignment, where a reshape is no more."""
+    for instr in comp.post_order():
+        source = None
+        if (instr.opcode == "broadcast" and instr.shape == instr.operand(0).shape
+                and tuple(instr.attrs.get("dimensions", ())) == tuple(range(instr.shape.rank))):
+            source = instr.operand(0)
+        elif (instr.opcode == "reshape" and instr.operand(0).opcode == "reshape"
+              and instr.operand(0).operand(0).shape == instr.shape):
+            source = instr.operand(0).operand(0)
+        if source is not None and not instr.is_root and not instr.control_predecessors and not any(
+                instr in user.control_predecessors for user in instr.users):
+            instr.replace_all_uses_with(source)
+            folded = [instr]
+            while folded:   # what moved no element and is read no more goes
+                dead = folded.pop()
+                if dead.parent is comp and not dead.users and not dead.is_root and dead.opcode in ("broadcast", "reshape"):
+                    folded.extend(dead.operands)
+                    comp.remove_instruction(dead)
+
 
 def _is_gradient_shape(shape: Shape) -> bool:
     return shape.is_array and shape.rank > 0 and shape.dtype in FLOAT_DTYPES and not shape.is_dynamic
