@@ -395,6 +395,10 @@ class _ComputationSharder:
         shape: an elementwise update that the pass can shard. The transpose moves from the
         reduced gradient, once per fusion, to the local one, once.
 
+        With a bfloat16 loss XLA converts the gradient right after the all-reduce and the fusions
+        read the converted one: the search goes on through such converts (`_converts_of`), which
+        commute with a reordering exactly, and they convert the reordered gradient.
+
         LARS reads the gradient through the transpose (the update, one norm) and also without
         it (optax's safe norm of it). Those reads take the reordered gradient too, which is only
         correct because all that becomes of them is full reductions (`_reduced_in_any_order`):
@@ -407,23 +411,25 @@ class _ComputationSharder:
             if leaf.shape.byte_size < self.options.threshold_bytes or not _is_gradient_shape(leaf.shape):
                 continue
             hoisted |= self._lift_update_reshapes(leaf)
-            if any(v.is_root for v in leaf.values):
+            converts = _converts_of(leaf.values)
+            carriers = leaf.values + converts
+            if any(v.is_root for v in carriers):
                 continue
             reordered, direct = {}, []
-            for value in leaf.values:
+            for value in carriers:
                 for user in value.users:
                     key = _reordering_in_fusion(user, value)
                     if key is not None:
                         reordered[user] = key
-                    elif user not in direct:
+                    elif user not in direct and user not in converts:
                         direct.append(user)
             if not reordered:
                 continue
-            refusal = _hoisting_refusal(leaf, reordered, direct)
+            refusal = _hoisting_refusal(carriers, reordered, direct)
             if refusal:
                 self._unhoisted.update(dict.fromkeys(leaf.values, refusal))
                 continue
-            _hoist_reordering(self.module, leaf, next(iter(reordered.values())), direct)
+            _hoist_reordering(self.module, leaf, converts, next(iter(reordered.values())), direct)
             hoisted = True
         return hoisted
 
@@ -1788,16 +1794,16 @@ def _reordering_in_fusion(user: HloInstruction, value: HloInstruction):
     return keys.pop() if len(keys) == 1 else None
 
 
-def _hoisting_refusal(leaf: "_Leaf", reordered: dict, direct: list[HloInstruction]) -> str:
-    """Why the gradient `leaf`, read through reorderings by the fusions `reordered` (fusion ->
-    `_reordering`) and without one by `direct`, is not reordered before its all-reduce ("" when
-    it can be: one reordering, and the direct reads only reduce it in full)."""
+def _hoisting_refusal(values: list[HloInstruction], reordered: dict, direct: list[HloInstruction]) -> str:
+    """Why the gradient carried by `values`, read through reorderings by the fusions `reordered`
+    (fusion -> `_reordering`) and without one by `direct`, is not reordered before its all-reduce
+    ("" when it can be: one reordering, and the direct reads only reduce it in full)."""
     keys = list(dict.fromkeys(reordered.values()))
     readers = ", ".join(f"%{fusion.name}" for fusion in reordered)
     if len(keys) > 1:
         return (f"; its users read it through different reorderings ({', '.join(map(str, keys))}), so it is not "
                 f"reordered before its all-reduce")
-    carried, _, stop = _reduced_in_any_order(leaf.values, direct, leaf.shape.dims)
+    carried, _, stop = _reduced_in_any_order(values, direct, values[0].shape.dims)
     stop = stop or next((f"%{instr.name} ({instr.opcode}) is the result" for instr in carried if instr.is_root), "")
     if not stop:
         return ""
@@ -1846,16 +1852,19 @@ def _reduced_in_any_order(values: list[HloInstruction], users: list[HloInstructi
     return carried, ends, ""
 
 
-def _hoist_reordering(module: HloModule, leaf: "_Leaf", key, direct: list[HloInstruction]) -> None:
-    """`all-reduce(x)` read through the reordering `key` becomes `all-reduce(reordered x)` read
-    directly (`_ComputationSharder._hoist_gradient_reorderings`); the `direct` users, which only
-    reduce it in full, read the reordered value too (`_read_reordered`)."""
+def _hoist_reordering(module: HloModule, leaf: "_Leaf", converts: list[HloInstruction], key,
+                      direct: list[HloInstruction]) -> None:
+    """`all-reduce(x)` read through the reordering `key` (after the `converts` of it, if any)
+    becomes `all-reduce(reordered x)` read directly (`_ComputationSharder._hoist_gradient_reorderings`);
+    the converts convert the reordered value, and the `direct` users, which only reduce it in
+    full, read the reordered value too (`_read_reordered`)."""
     comp, all_reduce = leaf.all_reduce.parent, leaf.all_reduce
     source, dims = leaf.operand, leaf.shape.dims
     kind, how = key
     new_dims = [dims[p] for p in how] if kind == "transpose" else how
     shape = _with_layout_like(Shape.array(source.shape.dtype, new_dims), source.shape)
-    _read_reordered(module, leaf.values, direct, dims, shape)
+    carriers = leaf.values + converts
+    _read_reordered(module, carriers, direct, dims, shape)
     reordered = comp.add_instruction(kind, [source], shape, attrs={"dimensions": how} if kind == "transpose" else None,
                                      name=f"{source.name}.{'transposed' if kind == 'transpose' else 'reshaped'}",
                                      before=all_reduce)
@@ -1868,16 +1877,54 @@ def _hoist_reordering(module: HloModule, leaf: "_Leaf", key, direct: list[HloIns
         all_reduce.set_shape(Shape.tuple(shapes))
         for value in leaf.values:
             value.set_shape(shape)
+    for convert in converts:
+        _convert_at(module, convert, shape)
     callers = module.callers()
-    for value in leaf.values:
+    for value in carriers:
         for fusion in list(value.users):
-            if fusion in direct:
+            if fusion in direct or fusion in converts:
                 continue
             fused = fusion.attrs["calls"]
             if len(callers.get(fused, [])) != 1:
                 fused = fusion.attrs["calls"] = module.clone_computation(fused, suffix="reordered")
             _reorder_first(fused, [fused.parameter(i) for i, o in enumerate(fusion.operands) if o is value], dims,
                            shape)
+
+
+def _is_convert(instr: HloInstruction) -> bool:
+    """A convert, or a kLoop fusion of one convert of its parameter (XLA's `wrapped_convert`)."""
+    if instr.control_predecessors or not instr.shape.is_array:
+        return False
+    if instr.opcode == "convert":
+        return True
+    if instr.opcode != "fusion" or instr.attrs.get("kind") != "kLoop" or instr.operand_count != 1:
+        return False
+    root = instr.attrs["calls"].root
+    return root.opcode == "convert" and root.operand(0).opcode == "parameter"
+
+
+def _converts_of(values: list[HloInstruction]) -> list[HloInstruction]:
+    """The converts (`_is_convert`) that carry `values` on, and the converts of those: what
+    the reordering search looks through, as a convert commutes with moving elements."""
+    found, work = [], list(values)
+    while work:
+        for user in work.pop().users:
+            if user not in found and _is_convert(user):
+                found.append(user)
+                work.append(user)
+    return found
+
+
+def _convert_at(module: HloModule, convert: HloInstruction, shape: Shape) -> None:
+    """`convert` (`_is_convert`) converts a value of `shape` (a fused computation that other
+    fusions share is cloned first)."""
+    if convert.opcode == "fusion":
+        fused = convert.attrs["calls"]
+        if len(module.callers().get(fused, [])) != 1:
+            fused = convert.attrs["calls"] = module.clone_computation(fused, suffix="reordered")
+        fused.parameter(0).set_shape(shape.with_dtype(fused.parameter(0).shape.dtype))
+        fused.root.set_shape(shape.with_dtype(fused.root.shape.dtype))
+    convert.set_shape(shape.with_dtype(convert.shape.dtype))
 
 
 def _read_reordered(module: HloModule, values: list[HloInstruction], users: list[HloInstruction],
