@@ -72,11 +72,6 @@ def _train(step, mesh, optimizer, passes, caplog):
 @pytest.mark.parametrize("style", ["jit_named_sharding", "shard_map", "pmap_style"])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_every_weight_is_sharded_and_the_numbers_are_equal(name, style, caplog):
-    if (name, style) == ("adafactor", "jit_named_sharding"):
-        # XLA computes the kernels' gradients transposed, and the statistics' fusions read them in
-        # that order while the update's fusions transpose them: the gradient reorderings are not
-        # hoisted before the all-reduce then, and the kernels stay replicated (the numbers are equal).
-        pytest.xfail("transposed gradients read by Adafactor's row and column statistics")
     caplog.set_level("INFO", logger="xla_passes")
     optimizer = OPTIMIZERS[name]()
     mesh, step = _steps(optimizer, style)

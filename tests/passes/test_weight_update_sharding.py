@@ -477,6 +477,14 @@ def test_converted_gradient_at_the_hook_computes_the_same(case):
     _sharded_hook_case_computes_the_same("weight_update_sharding_converted.hlo", case)
 
 
+@pytest.mark.parametrize("case", ["hook_adafactor", "row_norms", "rank3_kept_in_order"])
+def test_statistics_of_a_transposed_gradient_at_the_hook_compute_the_same(case):
+    """weight_update_sharding_adafactor_transposed.hlo: the row and column statistics that read
+    the gradient as XLA computed it (transposed) reduce the transposed-back one along the moved
+    dimensions, and the statistics broadcast into the update follow the transpose, on shards."""
+    _sharded_hook_case_computes_the_same("weight_update_sharding_adafactor_transposed.hlo", case)
+
+
 def test_a_wrong_shard_offset_is_caught():
     """The inputs make every element count: shards taken one block off give other results."""
     text = CASES["momentum"]
