@@ -1902,8 +1902,8 @@ def _hoist_reordering(module: HloModule, leaf: "_Leaf", converts: list[HloInstru
                       direct: list[HloInstruction]) -> None:
     """`all-reduce(x)` read through the reordering `key` (after the `converts` of it, if any)
     becomes `all-reduce(reordered x)` read directly (`_ComputationSharder._hoist_gradient_reorderings`);
-    the converts convert the reordered value, and the `direct` users, which only reduce it in
-    full, read the reordered value too (`_read_reordered`)."""
+    the converts convert the reordered value, and the `direct` users, which only reduce it
+    (`_reduced_in_any_order`), read the reordered value too (`_read_reordered`)."""
     comp, all_reduce = leaf.all_reduce.parent, leaf.all_reduce
     source, dims = leaf.operand, leaf.shape.dims
     kind, how = key
