@@ -448,12 +448,10 @@ def test_adafactor_factored_moments_compute_the_same():
     assert "reduce-scatter" in _opcodes(checked.entry)
 
 
-@pytest.mark.parametrize("case", ["hook_lars", "diamond"])
-def test_lars_at_the_hook_computes_the_same(case):
-    """weight_update_sharding_lars.hlo: after the rewrite the norms that read the gradient as XLA
-    computed it (transposed) read the transposed-back one, on shards; the outputs stay those of
-    the original."""
-    with open(os.path.join(HERE, "weight_update_sharding_lars.hlo"), encoding="utf-8") as f:
+def _sharded_hook_case_computes_the_same(filename: str, case: str) -> None:
+    """Module `case` of the FileCheck file `filename`: the pass shards its one weight, and the
+    outputs stay those of the original on 8 replicas."""
+    with open(os.path.join(HERE, filename), encoding="utf-8") as f:
         chunks = [c[re.search(r"^HloModule", c, re.M).start():] for c in f.read().split("// -----")]
     text = next(c for c in chunks if c.startswith(f"HloModule {case},"))
     module = hlo_tools.parse_module(text)
@@ -463,6 +461,28 @@ def test_lars_at_the_hook_computes_the_same(case):
     assert [report.sharded for report in hlo_pass.report] == [True], [str(r) for r in hlo_pass.report]
     _, _, comparison = runner.compare_modules(module.to_text(), text, _inputs_for(text), **BOUNDS)
     assert comparison.ok, comparison.format()
+
+
+@pytest.mark.parametrize("case", ["hook_lars", "diamond"])
+def test_lars_at_the_hook_computes_the_same(case):
+    """weight_update_sharding_lars.hlo: after the rewrite the norms that read the gradient as XLA
+    computed it (transposed) read the transposed-back one, on shards."""
+    _sharded_hook_case_computes_the_same("weight_update_sharding_lars.hlo", case)
+
+
+@pytest.mark.parametrize("case", ["hook_adam_bf16", "plain_convert"])
+def test_converted_gradient_at_the_hook_computes_the_same(case):
+    """weight_update_sharding_converted.hlo: the gradient reordered before its all-reduce is
+    converted (to bfloat16, say) as XLA converted it after, and the update reads it on shards."""
+    _sharded_hook_case_computes_the_same("weight_update_sharding_converted.hlo", case)
+
+
+@pytest.mark.parametrize("case", ["hook_adafactor", "row_norms", "rank3_kept_in_order"])
+def test_statistics_of_a_transposed_gradient_at_the_hook_compute_the_same(case):
+    """weight_update_sharding_adafactor_transposed.hlo: the row and column statistics that read
+    the gradient as XLA computed it (transposed) reduce the transposed-back one along the moved
+    dimensions, and the statistics broadcast into the update follow the transpose, on shards."""
+    _sharded_hook_case_computes_the_same("weight_update_sharding_adafactor_transposed.hlo", case)
 
 
 def test_a_wrong_shard_offset_is_caught():

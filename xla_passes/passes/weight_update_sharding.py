@@ -399,11 +399,20 @@ class _ComputationSharder:
         shape: an elementwise update that the pass can shard. The transpose moves from the
         reduced gradient, once per fusion, to the local one, once.
 
+        With a bfloat16 loss XLA converts the gradient right after the all-reduce and the fusions
+        read the converted one: the search goes on through such converts (`_converts_of`), which
+        commute with a reordering exactly, and they convert the reordered gradient.
+
         LARS reads the gradient through the transpose (the update, one norm) and also without
         it (optax's safe norm of it). Those reads take the reordered gradient too, which is only
         correct because all that becomes of them is full reductions (`_reduced_in_any_order`):
-        the same elements, combined in another order. Where a read does anything else, nothing is
-        hoisted and the report says why (`self._unhoisted`).
+        the same elements, combined in another order. Adafactor's row and column statistics read
+        it without the transpose too, reducing some of its dimensions: those reduce the moved
+        dimensions of the reordered gradient, the same sums as long as the transpose keeps the
+        kept dimensions in order (else the result would need a transpose of its own); and its
+        update scales the gradient by the statistics broadcast along its dimensions before the
+        transpose: those broadcasts follow the transpose (`_statistics_broadcasts`). Where a read
+        does anything else, nothing is hoisted and the report says why (`self._unhoisted`).
         """
         self._order = {instr: i for i, instr in enumerate(self.comp.post_order())}
         hoisted = False
@@ -411,23 +420,25 @@ class _ComputationSharder:
             if leaf.shape.byte_size < self.options.threshold_bytes or not _is_gradient_shape(leaf.shape):
                 continue
             hoisted |= self._lift_update_reshapes(leaf)
-            if any(v.is_root for v in leaf.values):
+            converts = _converts_of(leaf.values)
+            carriers = leaf.values + converts
+            if any(v.is_root for v in carriers):
                 continue
             reordered, direct = {}, []
-            for value in leaf.values:
+            for value in carriers:
                 for user in value.users:
                     key = _reordering_in_fusion(user, value)
                     if key is not None:
                         reordered[user] = key
-                    elif user not in direct:
+                    elif user not in direct and user not in converts:
                         direct.append(user)
             if not reordered:
                 continue
-            refusal = _hoisting_refusal(leaf, reordered, direct)
+            refusal = _hoisting_refusal(carriers, reordered, direct)
             if refusal:
                 self._unhoisted.update(dict.fromkeys(leaf.values, refusal))
                 continue
-            _hoist_reordering(self.module, leaf, next(iter(reordered.values())), direct)
+            _hoist_reordering(self.module, leaf, converts, next(iter(reordered.values())), direct)
             hoisted = True
         return hoisted
 
@@ -1714,10 +1725,11 @@ def _reordering(instr: HloInstruction):
     return None
 
 
-def _reordered_chain(starts: list[HloInstruction], dims: tuple[int, ...]):
+def _reordered_chain(starts: list[HloInstruction], dims: tuple[int, ...], *, statistics: bool = False):
     """(the elementwise instructions of shape `dims` that `starts` reach, the reorderings where
     they end: `_reordering`) when every path from `starts` is such a chain ending in a
-    reordering, and the chain's other operands are scalars; None otherwise."""
+    reordering, and the chain's other operands are scalars (with `statistics`, also broadcasts
+    to `dims` of values from outside the chain: `_statistics_broadcasts`); None otherwise."""
     chain, ends, work = list(starts), [], list(starts)
     while work:
         for user in work.pop().users:
@@ -1728,7 +1740,7 @@ def _reordered_chain(starts: list[HloInstruction], dims: tuple[int, ...]):
             elif (user.opcode in ELEMENTWISE and user.shape.is_array and user.shape.dims == dims
                   and not user.is_root and not user.control_predecessors
                   and all(o in chain or o.shape.rank == 0 or _is_scalar_broadcast(o) or _is_one_element_constant(o)
-                          for o in user.operands)):
+                          or (statistics and _is_broadcast_to(o, dims)) for o in user.operands)):
                 chain.append(user)
                 work.append(user)
             else:
@@ -1736,6 +1748,30 @@ def _reordered_chain(starts: list[HloInstruction], dims: tuple[int, ...]):
     if any(instr.is_root for instr in chain):
         return None
     return chain, ends
+
+
+def _is_broadcast_to(instr: HloInstruction, dims: tuple[int, ...]) -> bool:
+    return instr.opcode == "broadcast" and instr.shape.dims == dims and not instr.control_predecessors
+
+
+def _statistics_broadcasts(chain: list[HloInstruction]) -> list[HloInstruction]:
+    """The broadcasts of lower-rank values that the instructions of `chain` read (Adafactor's
+    row and column statistics, broadcast back along the dimensions they span)."""
+    return list(dict.fromkeys(o for instr in chain for o in instr.operands
+                              if o.opcode == "broadcast" and o not in chain and not _is_scalar_broadcast(o)))
+
+
+def _moved_dimensions(key) -> dict[int, int] | None:
+    """Where the reordering `key` (`_reordering`) puts each dimension of the value, {old: new},
+    for a transpose; None for a reshape, which keeps no dimensions."""
+    kind, how = key
+    return {old: new for new, old in enumerate(how)} if kind == "transpose" else None
+
+
+def _keeps_order(dimensions, moved: dict[int, int] | None) -> bool:
+    """Whether the increasing `dimensions` are still in increasing order where `moved` puts them:
+    then a broadcast along them, or the result of a reduce that keeps them, needs no transpose."""
+    return moved is not None and all(moved[a] < moved[b] for a, b in zip(dimensions, dimensions[1:]))
 
 
 def _is_one_element_constant(instr: HloInstruction) -> bool:
@@ -1805,44 +1841,53 @@ def _lift_reshapes(module: HloModule, fusion: HloInstruction, dims: tuple[int, .
 
 def _reordering_in_fusion(user: HloInstruction, value: HloInstruction):
     """The one reordering (`_reordering`) through which the kLoop fusion `user` reads `value`
-    (see `_reordered_chain`), or None."""
+    (see `_reordered_chain`), or None. The statistics it broadcasts on the way must stay
+    broadcasts along increasing dimensions once reordered (`_keeps_order`)."""
     if user.opcode != "fusion" or user.attrs.get("kind") != "kLoop":
         return None
     fused = user.attrs["calls"]
     found = _reordered_chain([fused.parameter(i) for i, o in enumerate(user.operands) if o is value],
-                             value.shape.dims)
+                             value.shape.dims, statistics=True)
     if found is None or not found[1]:
         return None
     keys = {_reordering(end) for end in found[1]}
-    return keys.pop() if len(keys) == 1 else None
+    if len(keys) != 1:
+        return None
+    key = keys.pop()
+    if not all(_keeps_order(b.attrs["dimensions"], _moved_dimensions(key)) for b in _statistics_broadcasts(found[0])):
+        return None
+    return key
 
 
-def _hoisting_refusal(leaf: "_Leaf", reordered: dict, direct: list[HloInstruction]) -> str:
-    """Why the gradient `leaf`, read through reorderings by the fusions `reordered` (fusion ->
-    `_reordering`) and without one by `direct`, is not reordered before its all-reduce ("" when
-    it can be: one reordering, and the direct reads only reduce it in full)."""
+def _hoisting_refusal(values: list[HloInstruction], reordered: dict, direct: list[HloInstruction]) -> str:
+    """Why the gradient carried by `values`, read through reorderings by the fusions `reordered`
+    (fusion -> `_reordering`) and without one by `direct`, is not reordered before its all-reduce
+    ("" when it can be: one reordering, and the direct reads only reduce it: `_reduced_in_any_order`)."""
     keys = list(dict.fromkeys(reordered.values()))
     readers = ", ".join(f"%{fusion.name}" for fusion in reordered)
     if len(keys) > 1:
         return (f"; its users read it through different reorderings ({', '.join(map(str, keys))}), so it is not "
                 f"reordered before its all-reduce")
-    carried, _, stop = _reduced_in_any_order(leaf.values, direct, leaf.shape.dims)
+    carried, _, stop = _reduced_in_any_order(values, direct, values[0].shape.dims, _moved_dimensions(keys[0]))
     stop = stop or next((f"%{instr.name} ({instr.opcode}) is the result" for instr in carried if instr.is_root), "")
     if not stop:
         return ""
-    return (f"; it is read through a {keys[0][0]} by {readers} and without one, where {stop}: only full reductions "
-            f"with add, multiply, maximum, minimum, and or or may read it in another order, so it is not reordered "
-            f"before its all-reduce")
+    return (f"; it is read through a {keys[0][0]} by {readers} and without one, where {stop}: only reductions "
+            f"with add, multiply, maximum, minimum, and or or may read it in another order (of some dimensions "
+            f"only when the transpose keeps the others in order), so it is not reordered before its all-reduce")
 
 
-def _reduced_in_any_order(values: list[HloInstruction], users: list[HloInstruction], dims: tuple[int, ...]):
+def _reduced_in_any_order(values: list[HloInstruction], users: list[HloInstruction], dims: tuple[int, ...],
+                          moved: dict[int, int] | None):
     """Follow `values` (of shape `dims`) into `users`: (the values that carry them elementwise,
     starting with `values`; the reductions and fusions where they end; "") when all that becomes of
-    them is full reductions with a commutative reducer (`_REDUCER_IDENTITY`). Reading them in
-    another order (transposed, reshaped) then changes only the order in which those reductions
-    combine the same elements. Otherwise the third element says what does something else. A
-    fusion counts by its fused computation; whether a carried value is the result is the caller's
-    question (in a fused computation it makes the fusion carry them)."""
+    them is reductions with a commutative reducer (`_REDUCER_IDENTITY`): full ones, or, when
+    the values are to be transposed (`moved`: `_moved_dimensions`), of some dimensions whose
+    kept ones stay in order (Adafactor's row and column statistics). Reading them in another
+    order then changes only the order in which those reductions combine the same elements (a
+    partial one reducing the moved dimensions). Otherwise the third element says what does
+    something else. A fusion counts by its fused computation; whether a carried value is the
+    result is the caller's question (in a fused computation it makes the fusion carry them)."""
     position = {instr: n for n, instr in enumerate(values[0].parent.post_order())}
     carried, ends, work = list(values), [], set(users)
     while work:
@@ -1851,8 +1896,7 @@ def _reduced_in_any_order(values: list[HloInstruction], users: list[HloInstructi
         if user.control_predecessors:
             return carried, ends, f"%{user.name} ({user.opcode}) has control dependencies"
         if (user.opcode == "reduce" and user.operand_count == 2 and user.operand(0) in carried
-                and tuple(sorted(user.attrs.get("dimensions", ()))) == tuple(range(len(dims)))
-                and reducer_opcode(user.attrs["to_apply"]) in _REDUCER_IDENTITY):
+                and reducer_opcode(user.attrs["to_apply"]) in _REDUCER_IDENTITY and _reduces_alike(user, moved)):
             ends.append(user)
         elif (user.opcode in ELEMENTWISE and user.shape.is_array and user.shape.dims == dims
               and all(o in carried or o.shape.rank == 0 or _is_scalar_broadcast(o) or _is_one_element_constant(o)
@@ -1862,7 +1906,7 @@ def _reduced_in_any_order(values: list[HloInstruction], users: list[HloInstructi
         elif user.opcode == "fusion":
             fused = user.attrs["calls"]
             parameters = [fused.parameter(i) for i, o in enumerate(user.operands) if o in carried]
-            inside, _, stop = _reduced_in_any_order(parameters, [u for p in parameters for u in p.users], dims)
+            inside, _, stop = _reduced_in_any_order(parameters, [u for p in parameters for u in p.users], dims, moved)
             if stop:
                 return carried, ends, f"{stop} in %{user.name}"
             if fused.root in inside:
@@ -1875,16 +1919,27 @@ def _reduced_in_any_order(values: list[HloInstruction], users: list[HloInstructi
     return carried, ends, ""
 
 
-def _hoist_reordering(module: HloModule, leaf: "_Leaf", key, direct: list[HloInstruction]) -> None:
-    """`all-reduce(x)` read through the reordering `key` becomes `all-reduce(reordered x)` read
-    directly (`_ComputationSharder._hoist_gradient_reorderings`); the `direct` users, which only
-    reduce it in full, read the reordered value too (`_read_reordered`)."""
+def _reduces_alike(reduce: HloInstruction, moved: dict[int, int] | None) -> bool:
+    """Whether `reduce` gives the same result (up to the order it combines elements in) from its
+    operand reordered by the transpose `moved`: it reduces all dimensions, or keeps some that
+    stay in order."""
+    kept = [d for d in range(reduce.operand(0).shape.rank) if d not in reduce.attrs["dimensions"]]
+    return not kept or _keeps_order(kept, moved)
+
+
+def _hoist_reordering(module: HloModule, leaf: "_Leaf", converts: list[HloInstruction], key,
+                      direct: list[HloInstruction]) -> None:
+    """`all-reduce(x)` read through the reordering `key` (after the `converts` of it, if any)
+    becomes `all-reduce(reordered x)` read directly (`_ComputationSharder._hoist_gradient_reorderings`);
+    the converts convert the reordered value, and the `direct` users, which only reduce it
+    (`_reduced_in_any_order`), read the reordered value too (`_read_reordered`)."""
     comp, all_reduce = leaf.all_reduce.parent, leaf.all_reduce
     source, dims = leaf.operand, leaf.shape.dims
     kind, how = key
     new_dims = [dims[p] for p in how] if kind == "transpose" else how
     shape = _with_layout_like(Shape.array(source.shape.dtype, new_dims), source.shape)
-    _read_reordered(module, leaf.values, direct, dims, shape)
+    carriers, moved = leaf.values + converts, _moved_dimensions(key)
+    _read_reordered(module, carriers, direct, dims, shape, moved)
     reordered = comp.add_instruction(kind, [source], shape, attrs={"dimensions": how} if kind == "transpose" else None,
                                      name=f"{source.name}.{'transposed' if kind == 'transpose' else 'reshaped'}",
                                      before=all_reduce)
@@ -1897,25 +1952,64 @@ def _hoist_reordering(module: HloModule, leaf: "_Leaf", key, direct: list[HloIns
         all_reduce.set_shape(Shape.tuple(shapes))
         for value in leaf.values:
             value.set_shape(shape)
+    for convert in converts:
+        _convert_at(module, convert, shape)
     callers = module.callers()
-    for value in leaf.values:
+    for value in carriers:
         for fusion in list(value.users):
-            if fusion in direct:
+            if fusion in direct or fusion in converts:
                 continue
             fused = fusion.attrs["calls"]
             if len(callers.get(fused, [])) != 1:
                 fused = fusion.attrs["calls"] = module.clone_computation(fused, suffix="reordered")
             _reorder_first(fused, [fused.parameter(i) for i, o in enumerate(fusion.operands) if o is value], dims,
-                           shape)
+                           shape, moved)
+
+
+def _is_convert(instr: HloInstruction) -> bool:
+    """A convert, or a kLoop fusion of one convert of its parameter (XLA's `wrapped_convert`)."""
+    if instr.control_predecessors or not instr.shape.is_array:
+        return False
+    if instr.opcode == "convert":
+        return True
+    if instr.opcode != "fusion" or instr.attrs.get("kind") != "kLoop" or instr.operand_count != 1:
+        return False
+    root = instr.attrs["calls"].root
+    return root.opcode == "convert" and root.operand(0).opcode == "parameter"
+
+
+def _converts_of(values: list[HloInstruction]) -> list[HloInstruction]:
+    """The converts (`_is_convert`) that carry `values` on, and the converts of those: what
+    the reordering search looks through, as a convert commutes with moving elements."""
+    found, work = [], list(values)
+    while work:
+        for user in work.pop().users:
+            if user not in found and _is_convert(user):
+                found.append(user)
+                work.append(user)
+    return found
+
+
+def _convert_at(module: HloModule, convert: HloInstruction, shape: Shape) -> None:
+    """`convert` (`_is_convert`) converts a value of `shape` (a fused computation that other
+    fusions share is cloned first)."""
+    if convert.opcode == "fusion":
+        fused = convert.attrs["calls"]
+        if len(module.callers().get(fused, [])) != 1:
+            fused = convert.attrs["calls"] = module.clone_computation(fused, suffix="reordered")
+        fused.parameter(0).set_shape(shape.with_dtype(fused.parameter(0).shape.dtype))
+        fused.root.set_shape(shape.with_dtype(fused.root.shape.dtype))
+    convert.set_shape(shape.with_dtype(convert.shape.dtype))
 
 
 def _read_reordered(module: HloModule, values: list[HloInstruction], users: list[HloInstruction],
-                    dims: tuple[int, ...], shape: Shape) -> None:
-    """`users` of `values` (of shape `dims`), which only reduce them in full
-    (`_reduced_in_any_order`), read them at `shape`, reordered: what carries them computes at
-    `shape` (fused computations too, cloned when other fusions share them), and the reductions
-    reduce all of its dimensions; the caller reorders `values`."""
-    carried, ends, _ = _reduced_in_any_order(values, users, dims)
+                    dims: tuple[int, ...], shape: Shape, moved: dict[int, int] | None) -> None:
+    """`users` of `values` (of shape `dims`), which only reduce them (`_reduced_in_any_order`),
+    read them at `shape`, reordered (`moved`, for a transpose): what carries them computes at
+    `shape` (fused computations too, cloned when other fusions share them), a full reduction
+    reduces all of its dimensions, a partial one the dimensions where `moved` put its own; the
+    caller reorders `values`."""
+    carried, ends, _ = _reduced_in_any_order(values, users, dims, moved)
     elementwise = [instr for instr in carried if instr not in values and instr.opcode != "fusion"]
     if elementwise:
         _retype_chain(elementwise[0].parent, elementwise, dims, shape)
@@ -1923,33 +2017,49 @@ def _read_reordered(module: HloModule, values: list[HloInstruction], users: list
         if instr in values:
             continue
         if instr.opcode == "reduce":
-            instr.attrs["dimensions"] = tuple(range(shape.rank))
+            reduced = instr.attrs["dimensions"]
+            instr.attrs["dimensions"] = tuple(range(shape.rank)) if len(reduced) == len(dims) else \
+                tuple(sorted(moved[d] for d in reduced))
         elif instr.opcode == "fusion":
             fused = instr.attrs["calls"]
             if len(module.callers().get(fused, [])) != 1:
                 fused = instr.attrs["calls"] = module.clone_computation(fused, suffix="reordered")
             parameters = [fused.parameter(i) for i, o in enumerate(instr.operands) if o in carried]
-            _read_reordered(module, parameters, [u for p in parameters for u in p.users], dims, shape)
+            _read_reordered(module, parameters, [u for p in parameters for u in p.users], dims, shape, moved)
             for parameter in parameters:
                 parameter.set_shape(shape.with_dtype(parameter.shape.dtype))
             if instr in carried:
                 instr.set_shape(shape.with_dtype(instr.shape.dtype))
 
 
-def _reorder_first(fused: HloComputation, starts: list[HloInstruction], dims: tuple[int, ...], shape: Shape) -> None:
+def _reorder_first(fused: HloComputation, starts: list[HloInstruction], dims: tuple[int, ...], shape: Shape,
+                   moved: dict[int, int] | None = None) -> None:
     """Inside `fused`: the chain from `starts` at `dims` to its reorderings (`_reordered_chain`)
-    computes at `shape`, the reordered shape, and the reorderings go; the caller reorders what
+    computes at `shape`, the reordered shape (its statistics broadcast along the dimensions
+    where the transpose `moved` puts theirs), and the reorderings go; the caller reorders what
     `starts` receive."""
-    chain, ends = _reordered_chain(starts, dims)
-    _retype_chain(fused, chain, dims, shape)
+    chain, ends = _reordered_chain(starts, dims, statistics=moved is not None)
+    _retype_chain(fused, chain, dims, shape, moved)
     for end in ends:
         end.replace_all_uses_with(end.operand(0))
         fused.remove_instruction(end)
 
 
-def _retype_chain(comp: HloComputation, chain: list[HloInstruction], dims: tuple[int, ...], shape: Shape) -> None:
+def _retype_chain(comp: HloComputation, chain: list[HloInstruction], dims: tuple[int, ...], shape: Shape,
+                  moved: dict[int, int] | None = None) -> None:
     """The elementwise instructions `chain` of `comp` compute at `shape` instead of `dims`, with
-    their one-element constants and scalar broadcasts."""
+    their one-element constants, scalar broadcasts, and statistics broadcasts (along the
+    dimensions where the transpose `moved` puts theirs)."""
+    for operand in _statistics_broadcasts(chain):
+        along = tuple(moved[d] for d in operand.attrs["dimensions"])
+        if all(u in chain for u in operand.users):
+            operand.attrs["dimensions"] = along
+            operand.set_shape(shape.with_dtype(operand.shape.dtype))
+        else:
+            replacement = comp.add_instruction("broadcast", [operand.operand(0)], shape.with_dtype(operand.shape.dtype),
+                                               attrs={"dimensions": along}, after=operand)
+            for user in [u for u in operand.users if u in chain]:
+                user.replace_operand_with(operand, replacement)
     for instr in chain:
         for operand in instr.operands:
             if _is_one_element_constant(operand) and operand.shape.rank and operand not in chain:
