@@ -41,8 +41,12 @@ Run from the repository root: ``.venv/bin/python benchmarks/keras_models.py`` (b
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
+import logging
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -50,7 +54,17 @@ import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N = 8
-JAX_MODELS = ("ResNet50", "EfficientNetB0")
+# The models and optimizers of tests/test_real_models.py's Keras runs (LAMB: per-layer trust ratios).
+JAX_MODELS = {"ResNet50": "adam", "EfficientNetB0": "momentum", "MobileNetV3Small": "lamb", "ConvNeXtTiny": "lamb"}
+OPTIMIZERS = {"adam": lambda keras: keras.optimizers.Adam(1e-3),
+              "momentum": lambda keras: keras.optimizers.SGD(0.01, momentum=0.9),
+              "lamb": lambda keras: keras.optimizers.Lamb(1e-3)}
+WUS = "weight-update-sharding"
+WUS_THRESHOLD_BYTES = 1024  # the pass's default threshold_bytes: smaller gradients stay replicated
+# "weight-update-sharding: sharded %all-reduce.5[3] f32[3,3,16,1] (state[0][5], state[2][10]) over 8 ..."
+WUS_REPORT_LINE = re.compile(r"weight-update-sharding: (?P<verdict>sharded|kept) \S+ \S+ \((?P<names>[^)]*)\)"
+                             r"(?:.*?: (?P<reason>.*))?$")
+TRAINABLE = re.compile(r"^state\[0\]\[(\d+)\]$")  # train_step(state, data): state[0] holds the trainable variables
 TF_MODELS = ("ResNet50", "EfficientNetB0", "MobileNetV2")
 JAX_CONFIGS = {"plain": None, "collective-fusion": "collective-fusion",
                "weight-update-sharding": "weight-update-sharding",
@@ -69,6 +83,10 @@ HAND_BACK = "plain through a hook that hands the module back unchanged"
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "collective-permute")
 BATCH_PER_DEVICE = 2
 CLASSES = 10
+
+
+def optimizer_of(model: str) -> str:
+    return JAX_MODELS.get(model, "adam")
 
 
 def ratio(x: float, y: float) -> str:
@@ -95,6 +113,50 @@ def ring_bytes(collectives: dict[str, tuple[int, int]]) -> float:
                     + collectives["all-gather"][1])
 
 
+@contextlib.contextmanager
+def wus_report():
+    """The lines weight-update-sharding logs (one per all-reduced value: sharded, or kept and why)."""
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("xla_passes")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def wus_coverage(lines: list[str], trainable_bytes: list[int]) -> dict:
+    """Trainable variables whose update weight-update-sharding sharded, of those eligible (gradient
+    of at least WUS_THRESHOLD_BYTES), and why the other eligible ones were kept."""
+    sharded, reasons = set(), collections.defaultdict(set)
+    for line in lines:
+        if not (found := WUS_REPORT_LINE.search(line)):
+            continue
+        indices = {int(m[1]) for name in found["names"].split(", ") if (m := TRAINABLE.match(name))}
+        if found["verdict"] == "sharded":
+            sharded |= indices
+        else:
+            for index in indices:
+                reasons[index].add(re.sub(r"%[\w.-]+", "%x", found["reason"] or ""))
+    eligible = {i for i, size in enumerate(trainable_bytes) if size >= WUS_THRESHOLD_BYTES}
+    kept = collections.Counter(reason for i in eligible - sharded for reason in reasons.get(i, {"not reported"}))
+    return {"sharded": len(sharded & eligible), "eligible": len(eligible), "kept": kept}
+
+
+def per_device_bytes(tree, shardings) -> int:
+    """Bytes one device holds of `tree` under `shardings`."""
+    import jax  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    return sum(int(np.prod(sharding.shard_shape(leaf.shape))) * leaf.dtype.itemsize
+               for leaf, sharding in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)))
+
+
 def jax_model(name: str, image_size: int, steps: int, rounds: int, combiner_off: bool,
               labels: list[str] | None = None) -> dict:
     import jax  # noqa: PLC0415
@@ -108,7 +170,7 @@ def jax_model(name: str, image_size: int, steps: int, rounds: int, combiner_off:
     keras.distribution.set_distribution(keras.distribution.DataParallel(devices=jax.devices()))
     model = getattr(keras.applications, name)(weights=None, input_shape=(image_size, image_size, 3),
                                               classes=CLASSES)
-    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="sparse_categorical_crossentropy")
+    model.compile(optimizer=OPTIMIZERS[optimizer_of(name)](keras), loss="sparse_categorical_crossentropy")
     rng = np.random.default_rng(0)
     batches = [_distribute_data((rng.standard_normal((N * BATCH_PER_DEVICE, image_size, image_size, 3),
                                                      dtype=np.float32),
@@ -138,17 +200,22 @@ def jax_model(name: str, image_size: int, steps: int, rounds: int, combiner_off:
     configs.append((HAND_BACK, HAND_BACK, None))
     for label, passes, options in configs:
         print(f"  {name}: compiling {label}", file=sys.stderr, flush=True)
-        if passes == HAND_BACK:
-            with hand_back_hook():
-                compiled, seconds = compile_step(train_step, (initial_state(), batches[0]), None)
-        else:
-            compiled, seconds = compile_step(train_step, (initial_state(), batches[0]), passes,
-                                             strict=passes is not None, compiler_options=options)
+        with wus_report() as lines:
+            if passes == HAND_BACK:
+                with hand_back_hook():
+                    compiled, seconds = compile_step(train_step, (initial_state(), batches[0]), None)
+            else:
+                compiled, seconds = compile_step(train_step, (initial_state(), batches[0]), passes,
+                                                 strict=passes is not None, compiler_options=options)
         cost = compiled_costs(compiled)
+        state_shardings = compiled.input_shardings[0][0][2]  # (state, data) -> state's optimizer variables
+        coverage = (wus_coverage(lines, [leaf.nbytes for leaf in host_start[0]])
+                    if passes is not None and WUS in passes else None)
         collectives = collectives_of(compiled.as_text())
         runs[label] = {"compiled": compiled, "compile_s": seconds, **cost,
                        "peak": compiled.memory_analysis().peak_memory_in_bytes,
-                       "collectives": collectives, "ring": ring_bytes(collectives), "seconds": []}
+                       "collectives": collectives, "ring": ring_bytes(collectives), "seconds": [],
+                       "optimizer_state": per_device_bytes(host_start[2], state_shardings), "coverage": coverage}
 
     # Numbers: `steps` steps of each configuration from the same initial state.
     finals = {}
@@ -188,7 +255,9 @@ def jax_model(name: str, image_size: int, steps: int, rounds: int, combiner_off:
 
 def print_jax_tables(results: dict[str, dict], args) -> None:
     print(f"Keras 3 (JAX backend), DataParallel over {N} CPU devices, {args.image_size}x{args.image_size}x3 images, "
-          f"{CLASSES} classes, batch {BATCH_PER_DEVICE} per device, adam; {args.steps} steps from the same state; "
+          f"{CLASSES} classes, batch {BATCH_PER_DEVICE} per device, optimizers "
+          f"{', '.join(f'{model} {optimizer_of(model)}' for model in results)}; "
+          f"{args.steps} steps from the same state; "
           f"time: median of {args.rounds} interleaved rounds x {args.steps} steps (one more round warms up)")
     print()
     print("| model | configuration | losses | max abs diff of final variables vs plain | / scale | "
@@ -218,6 +287,26 @@ def print_jax_tables(results: dict[str, dict], args) -> None:
                                for kind in COLLECTIVES[:3])
             print(f"| {model} | {label} | {cells} | {r['ring'] / 1e6:.2f} | {ratio(r['ring'], runs['plain']['ring'])} "
                   f"| {r['compile_s']:.1f} |")
+    coverage = {model: runs for model, runs in results.items() if any(r["coverage"] for r in runs.values())}
+    if not coverage:
+        return
+    print()
+    print(f"weight-update-sharding coverage: trainable variables whose update it sharded, of those whose gradient "
+          f"has at least threshold_bytes={WUS_THRESHOLD_BYTES}; optimizer state held per device; why the others "
+          f"were kept")
+    print()
+    print("| model | optimizer | configuration | sharded / eligible | optimizer state MB per device | vs plain "
+          "| peak vs plain | step vs plain | kept |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")
+    for model, runs in coverage.items():
+        plain = runs["plain"]
+        for label, r in runs.items():
+            if not (c := r["coverage"]):
+                continue
+            kept = "; ".join(f"{count} x {reason}" for reason, count in c["kept"].most_common()) or "-"
+            print(f"| {model} | {optimizer_of(model)} | {label} | {c['sharded']} / {c['eligible']} | "
+                  f"{r['optimizer_state'] / 1e6:.2f} | {ratio(r['optimizer_state'], plain['optimizer_state'])} | "
+                  f"{ratio(r['peak'], plain['peak'])} | {ratio(r['median_s'], plain['median_s'])} | {kept} |")
 
 
 def jax_part(args) -> None:
@@ -233,7 +322,7 @@ def jax_part(args) -> None:
     print(f"# {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, jax {jax.__version__}, "
           f"keras {keras.__version__}")
     results = {}
-    for name in args.models or JAX_MODELS:
+    for name in args.models or list(JAX_MODELS):
         start = time.perf_counter()
         results[name] = jax_model(name, args.image_size, args.steps, args.rounds, args.xla_combiner_off,
                                   args.configs)
@@ -278,7 +367,8 @@ def tf_part(args) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=("all", "jax", "tensorflow"), default="all")
-    parser.add_argument("--models", nargs="*", help=f"JAX part: models of keras.applications (default {JAX_MODELS})")
+    parser.add_argument("--models", nargs="*", help=f"JAX part: models of keras.applications (default {', '.join(JAX_MODELS)}; "
+                        f"optimizers {JAX_MODELS}, adam for others)")
     parser.add_argument("--image-size", type=int, default=32, help="JAX part: image height and width")
     parser.add_argument("--steps", type=int, default=3, help="JAX part: steps per configuration and round")
     parser.add_argument("--rounds", type=int, default=3, help="JAX part: counted rounds")

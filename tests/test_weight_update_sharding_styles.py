@@ -175,3 +175,41 @@ def test_jax_pmap_with_replicated_parameters(name, caplog):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
     sharded = {r.getMessage() for r in caplog.records if "weight-update-sharding: sharded" in r.getMessage()}
     assert len(sharded) == len(SHAPES), caplog.text  # pmap compiles the step again for its own outputs
+
+
+@pytest.mark.parametrize("style", ["jit_named_sharding", "shard_map", "pmap_style"])
+@pytest.mark.parametrize("name", ["lamb", "lars", "adafactor", "clip_adamw"])
+def test_through_xla_passes_jit_every_weight_is_sharded(name, style):
+    """The same steps through `xla_passes.jax.jit`, which runs the pass on JAX's lowering: no
+    `call-inliner` in the pipeline (LAMB's and LARS's norms are calls of `jnp.linalg.norm`), and
+    Adafactor's row and column statistics as JAX lowers them (unit-dimension reshapes that XLA's
+    simplifier would fold). In shard_map steps every weight is sharded; in jit + NamedSharding
+    steps the pass annotates the optimizer state for XLA's partitioner (`persistent=true`), which
+    the step hands back sharded and takes back so: every state array is split."""
+    optimizer = OPTIMIZERS[name]()
+    mesh, step = _steps(optimizer, style)
+    persistent = style == "jit_named_sharding"
+    passes = f"weight-update-sharding{{threshold_bytes=0{',persistent=true' if persistent else ''}}}"
+    rng = np.random.default_rng(0)
+    host = {k: (0.1 * rng.standard_normal(s)).astype(np.float32) for k, s in SHAPES.items()}  # never donated
+    replicated, batch = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    x = jax.device_put(rng.standard_normal((64, 32)).astype(np.float32), batch)
+    y = jax.device_put(rng.standard_normal((64, 16)).astype(np.float32), batch)
+    results = []
+    for jitted in (jax.jit(step, donate_argnums=(0, 1)),
+                   xla_passes.jax.jit(step, passes=passes, strict=True, donate_argnums=(0, 1))):
+        jax.clear_caches()
+        params, state = jax.device_put((host, optimizer.init(host)), replicated)
+        for _ in range(3):
+            params, state = jitted(params, state, x, y)
+        results.append((params, state))
+    for a, b in zip(jax.tree.leaves(results[1]), jax.tree.leaves(results[0])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    report = [line for line in jitted.reports if line.startswith("weight-update-sharding: ")]
+    sharded = " ".join(line for line in report if ": sharded " in line)
+    if persistent:
+        assert sharded and not [line for line in report if ": kept " in line], "\n".join(report)
+        split = [leaf for leaf in jax.tree.leaves(results[1][1]) if not leaf.sharding.is_fully_replicated]
+        assert len(split) == sharded.count(": sharded "), "\n".join(report)
+    else:
+        assert all(f"params['{k}']" in sharded for k in SHAPES), "\n".join(report)
