@@ -337,9 +337,15 @@ def test_a_signal_to_a_script_dump_ends_every_process_it_started(tmp_path, signa
     private_tmp.mkdir()
     env = dict(os.environ, TMPDIR=str(private_tmp))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.Popen([sys.executable, "-m", "hlo_tools", "dump", "-o", "dumps", "--", "bash", "-c",
-                             f"{sys.executable} trapping.py; sleep 120"], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # The command starts with SIGINT at its default even where this suite runs with it ignored (a
+    # background job of a shell without job control): a child keeps an ignored signal ignored.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "hlo_tools", "dump", "-o", "dumps", "--", "bash", "-c",
+                                 f"{sys.executable} trapping.py; sleep 120"], cwd=tmp_path, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     try:
         int(proc.stdout.readline())  # the script runs
         start = time.monotonic()
