@@ -58,7 +58,7 @@ from .configuration import (ALL_PLATFORMS, CHECK_VARIABLE, DUMP_VARIABLE, POST_S
                             STRICT_VARIABLE, ConfigurationError, Settings, check_requested, configured_settings)
 from .core import PassError
 from .pipeline import Pipeline, computations_run_on_their_own
-from .rewrites.inlining import wrap_in_fusions
+from .rewrites.inlining import is_shardy_body_call, wrap_in_fusions
 
 logger = logging.getLogger("xla_passes")
 
@@ -423,7 +423,7 @@ def _constraints_in_callees(module: hlo_tools.HloModule) -> bool:
     for JAX, such a module is partitioned by GSPMD, not Shardy, and GSPMD refuses Shardy's
     result shardings (`_result_shardings_as_constraints`)."""
     callees = {instr.attrs["to_apply"] for comp in module.computations for instr in comp.instructions
-               if instr.opcode == "call" and not _is_shardy_body_call(instr)}
+               if instr.opcode == "call" and not is_shardy_body_call(instr)}
     return any(instr.opcode == "custom-call" and instr.attrs.get("custom_call_target") == "Sharding"
                for callee in callees for instr in callee.instructions)
 
@@ -444,7 +444,7 @@ def _result_shardings_as_constraints(module: hlo_tools.HloModule) -> None:
                 source.opcode == "custom-call" and source.attrs.get("custom_call_target") == "Sharding"):
             source = source.operand(0)
         if source.opcode == "custom-call" and source.attrs.get("custom_call_target", "").startswith("xla.sdy.") \
-                or source.opcode == "call" and _is_shardy_body_call(source):
+                or source.opcode == "call" and is_shardy_body_call(source):
             continue
         frontend = instr.attrs.get("frontend_attributes")
         found = sdy.values(frontend.get("xla.sdy.sharding") or "") if frontend is not None else []
@@ -457,13 +457,6 @@ def _result_shardings_as_constraints(module: hlo_tools.HloModule) -> None:
         instr.attrs["custom_call_target"] = "Sharding"
         instr.attrs.pop("custom_call_has_side_effect", None)
         instr.attrs["sharding"] = mesh.hlo_sharding(per_dim)
-
-
-def _is_shardy_body_call(call) -> bool:
-    """A call of a shard_map's body, as Shardy exports it."""
-    frontend = call.attrs.get("frontend_attributes")
-    return call.attrs["to_apply"].name.startswith("xla.sdy.") or (
-        frontend is not None and any(key.startswith("xla.sdy") for key, _ in frontend.items))
 
 
 class PassJitted:

@@ -24,15 +24,22 @@ def inline_calls(module: HloModule) -> bool:
     return changed
 
 
+def is_shardy_body_call(call: HloInstruction) -> bool:
+    """A call of a shard_map's body, as Shardy exports it."""
+    frontend = call.attrs.get("frontend_attributes")
+    return call.attrs["to_apply"].name.startswith("xla.sdy.") or (
+        frontend is not None and any(key.startswith("xla.sdy") for key, _ in frontend.items))
+
+
 def inlinable_call(call: HloInstruction) -> bool:
     """Whether `call` means no more than a call: not a Shardy body or a composite, no control
     dependencies, a callee on the caller's execution thread."""
-    callee = call.attrs["to_apply"]
-    if callee.name.startswith("xla.sdy."):
+    if is_shardy_body_call(call):
         return False
     frontend = call.attrs.get("frontend_attributes")
-    if frontend is not None and any(key.startswith(("xla.sdy", "composite")) for key, _ in frontend.items):
+    if frontend is not None and any(key.startswith("composite") for key, _ in frontend.items):
         return False
+    callee = call.attrs["to_apply"]
     has_control = bool(call.control_predecessors) or any(
         call in other.control_predecessors for other in call.parent.instructions)
     return not has_control and callee.execution_thread in (None, call.parent.execution_thread)
