@@ -27,7 +27,7 @@ tensorflow (KERAS_BACKEND=tensorflow): ResNet50, EfficientNetB0 and MobileNetV2 
    ``--tf-image-size`` images, batch 2), forward (inference) and training gradients (loss and
    every trainable variable's gradient, BatchNorm in training mode, dropout rates set to 0),
    through ``xla_passes.tensorflow.function(step, passes=SPATIAL)`` on 4 devices against TF's
-   own ``tf.function(jit_compile=True)`` (tests/test_keras_spatial_models.py's ``measure``):
+   own ``tf.function(jit_compile=True)`` (tests/models/test_keras_spatial_models.py's ``measure``):
    convolutions split by the pass, collectives of the rewritten module, the largest
    difference to TF's output relative to each output's own scale, the same for the float
    noise (how far TF's eager step and the front end without passes, TF's module compiled by
@@ -54,7 +54,7 @@ import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N = 8
-# The models and optimizers of tests/test_real_models.py's Keras runs (LAMB: per-layer trust ratios).
+# The models and optimizers of tests/models/test_real_models.py's Keras runs (LAMB: per-layer trust ratios).
 JAX_MODELS = {"ResNet50": "adam", "EfficientNetB0": "momentum", "MobileNetV3Small": "lamb", "ConvNeXtTiny": "lamb"}
 OPTIMIZERS = {"adam": lambda keras: keras.optimizers.Adam(1e-3),
               "momentum": lambda keras: keras.optimizers.SGD(0.01, momentum=0.9),
@@ -69,7 +69,7 @@ TF_MODELS = ("ResNet50", "EfficientNetB0", "MobileNetV2")
 JAX_CONFIGS = {"plain": None, "collective-fusion": "collective-fusion",
                "weight-update-sharding": "weight-update-sharding",
                # changes the numbers on purpose (statistics over pairs of devices): its difference to
-               # plain is the grouping's; tests/test_distributed_batch_norm_keras.py checks it against its reference
+               # plain is the grouping's; tests/models/test_distributed_batch_norm_keras.py checks it against its reference
                "distributed-batch-norm{group_size=2}": "distributed-batch-norm{group_size=2}",
                # the same, with the regrouped all-reduces combined (the pass leaves one per statistic)
                "distributed-batch-norm{group_size=2},collective-fusion":
@@ -338,7 +338,8 @@ def tf_part(args) -> None:
     import keras  # noqa: PLC0415
     import tensorflow as tf  # noqa: PLC0415
 
-    sys.path.insert(0, os.path.join(REPO_ROOT, "tests"))
+    # tests/models/test_keras_spatial_models.py imports tests/helpers/support.py.
+    sys.path[:0] = [os.path.join(REPO_ROOT, "tests", "models"), os.path.join(REPO_ROOT, "tests", "helpers")]
     from test_keras_spatial_models import measure  # noqa: PLC0415
 
     print(f"# {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "

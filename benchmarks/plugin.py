@@ -28,7 +28,7 @@
    paused, as in the hook), the steps interleaved, median of ``--compiles``
    runs.
 
-The model is the one tests/test_jax_plugin.py and the demo train (xla_passes/training.py):
+The model is the one tests/frontends/test_jax_plugin.py and the demo train (xla_passes/training.py):
 an MLP of Dense layers with one all-reduce per gradient.
 
 Run from the repository root: ``.venv/bin/python benchmarks/plugin.py``.

@@ -1,6 +1,6 @@
 """What a step costs through `xla_passes.tensorflow.function`, and why it compiles once per signature.
 
-The step is the conv training step of tests/test_tensorflow_frontend.py
+The step is the conv training step of tests/frontends/test_tensorflow_frontend.py
 (Conv2D + relu + global pooling + dense + cross-entropy, SGD with momentum,
 batch 4 of 16x16x2 images). It is timed, median of ``--steps`` calls, as:
 
@@ -34,7 +34,7 @@ import xla_passes  # noqa: E402
 from hlo_tools.xla import runner  # noqa: E402
 from xla_passes.tensorflow import function  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "frontends"))
 from test_tensorflow_frontend import SPATIAL_PASSES, conv_batch, conv_model, conv_step  # noqa: E402
 
 

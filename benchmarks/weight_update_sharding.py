@@ -22,7 +22,7 @@ buffers, ``input_output_alias``, of every module a hook hands back, rewritten or
 aliased bytes are 0 for that reason alone), and g (forward and backward on the local batch
 alone: no pmean, no update), so that ``flops(step) - flops(g)`` shows the flops of the gradient
 averaging and the update. The shard_map programs use ``check_vma=False`` (as
-tests/jax_plugin_worker.py does), so that each gradient is all-reduced once, by its pmean.
+tests/workers/jax_plugin_worker.py does), so that each gradient is all-reduced once, by its pmean.
 
 For each: per-device flops and bytes accessed (``compiled.cost_analysis()``), argument,
 output and temp bytes (``compiled.memory_analysis()``), the collectives of the optimized HLO

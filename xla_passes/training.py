@@ -1,7 +1,7 @@
 """Flax + Optax data-parallel training steps, and what their compiled programs cost.
 
 One home for the model that the demo (`python -m xla_passes.demo`), the JAX
-plugin tests (tests/jax_plugin_worker.py, tests/wus_worker.py) and the
+plugin tests (tests/workers/jax_plugin_worker.py, tests/workers/wus_worker.py) and the
 benchmarks (benchmarks/plugin.py, benchmarks/weight_update_sharding.py) train,
 and for the compile-and-measure steps they share, so that their numbers come
 from the same program measured the same way.

@@ -22,6 +22,7 @@ from pass_testing import run_and_compare
 from xla_passes.analysis import collectives, reachability
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+HOOK_WORKER = os.path.join(os.path.dirname(HERE), "workers", "collective_hook_worker.py")
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter")
 
 REDUCERS = """
@@ -456,7 +457,7 @@ def test_combiners_inside_xla_pass_hook(tmp_path):
     # XLA_PASSES* would switch on the installed JAX plugin's own hook in the worker too.
     env = {key: value for key, value in os.environ.items() if not key.startswith("XLA_PASSES")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
-    result = subprocess.run([sys.executable, os.path.join(HERE, "collective_hook_worker.py"), str(report_path),
+    result = subprocess.run([sys.executable, HOOK_WORKER, str(report_path),
                              large, small], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(report_path.read_text())

@@ -232,7 +232,7 @@ def test_calls_come_back_when_the_pass_changes_nothing():
 
 @pytest.mark.parametrize("program", ["shard_map_mlp", "flax_cnn_adam"])
 def test_the_projects_real_training_steps(program):
-    """The shard_map steps of tests/real_programs.py: SGD on an MLP, a Flax CNN with adam."""
+    """The shard_map steps of tests/helpers/real_programs.py: SGD on an MLP, a Flax CNN with adam."""
     text = _lowered_text(*real_programs.JAX_PROGRAMS[program]())
     before = hlo_tools.parse_module(text)
     module = run_and_compare(text, ALL_SIZES, exact=False, inputs=_spmd_inputs(before), **BOUNDS)
@@ -692,8 +692,8 @@ def test_options_in_pipeline_text():
 
 
 def test_doc_examples_run_and_print_what_the_page_shows():
-    """docs/weight_update_sharding.md, checked the way tests/test_docs.py checks the other pages."""
-    from test_docs import DOCS, examples
+    """docs/weight_update_sharding.md, checked the way tests/project/test_docs.py checks the other pages."""
+    from doc_examples import DOCS, examples
 
     page = DOCS / "weight_update_sharding.md"
     cases = examples(page.read_text(encoding="utf-8"))
