@@ -4,6 +4,8 @@
   scopes they may be combined, and the combining itself that the combiners share;
 - `replica_groups`: which devices a collective's `replica_groups` name (`DeviceCounts`,
   `participant_groups`, `inferred_device_counts`);
+- `dataflow`: the forward dataflow engine that analyses of values are clients of (a lattice,
+  transfer functions; tuples, calls, loops and conditionals followed by the engine);
 - `replication_analysis`: which values are the same on every device of a group;
 - `reachability`: what depends on what (`DependencyTracker`, `reachable_from`);
 - `constants`: the value of a constant operand (`scalar_constant`, `folded_scalar_constant`);

@@ -12,11 +12,14 @@ does, with what the text of a module says about its parameters:
 * parameters of a Shardy manual-computation body (`shard_map`): the operand's
   `xla.sdy.in_shardings` entry and the mesh in the module's `xla.sdy.meshes`: a value
   split over a mesh axis differs along that axis;
-* parameters of a computation called by `call`: what the callers pass.
+* parameters of a computation called by one `call`: what that caller passes.
 
 A device-dependent source (replica-id, partition-id, rng, infeed, recv) makes a value
 differ; an all-reduce or all-gather over groups that contain each of ours makes it the
-same; everything else is the same when all its operands are.
+same; everything else is the same when all its operands are. The dataflow engine
+(`xla_passes.analysis.dataflow`) follows values leaf by leaf through tuples and into calls,
+loops and conditionals, as XLA's analysis does: a loop's carried value is the same where
+its init and the body keep it so and every device runs the same trips.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from hlo_tools import HloComputation, HloInstruction
 from hlo_tools.ir import sdy
 from hlo_tools.ir.attributes import Sharding
 
+from .dataflow import ForwardDataflow, ForwardLattice
 from .replica_groups import DeviceCounts, GroupMode, group_mode, participant_groups
 
 # Instructions whose result may differ between devices whatever their operands.
@@ -37,7 +41,8 @@ DEVICE_DEPENDENT = frozenset({
 _DEVICE_DEPENDENT_WORDS = tuple(sorted(DEVICE_DEPENDENT))
 _GROUP_UNIFORM_COLLECTIVES = frozenset({"all-reduce", "all-gather"})
 
-
+# The kind of `ReplicationAnalysis` in a `PassContext`'s cache (`cached_replication_analysis`).
+REPLICATION = "replication"
 
 REPLICA_IDS = "replica"   # groups of replica ids (cross-replica collectives)
 DEVICE_IDS = "device"     # groups of global device ids (collectives with a channel)
@@ -58,7 +63,7 @@ def groups_within(inner: list[list[int]], outer: list[list[int]]) -> bool:
     return all(len({where.get(device, -1 - device) for device in group}) == 1 for group in inner)
 
 
-class ReplicationAnalysis:
+class ReplicationAnalysis(ForwardLattice):
     """For each instruction of `comp`: is its value the same on all devices of each group?
 
     `groups` are the groups that the question is about, in the ids of `space` (REPLICA_IDS
@@ -66,6 +71,10 @@ class ReplicationAnalysis:
     `assume_replicated_parameters` takes every parameter as replicated, whatever its
     annotations say: data-parallel programs written with pmap receive their weights
     split along the device axis although every device holds the same copy.
+
+    A client of `ForwardDataflow` whose leaf state is whether the value is replicated: the
+    engine follows values through tuples and into the computations of calls, loops and
+    conditionals (where what a device-dependent body computes may still be the same everywhere).
     """
 
     def __init__(self, comp: HloComputation, groups: list[list[int]], space: str, *,
@@ -75,37 +84,41 @@ class ReplicationAnalysis:
         self.groups = groups
         self.space = space
         self.assume_replicated_parameters = assume_replicated_parameters
-        self._values: dict[HloInstruction, object] = {}
         self._pure_computations: dict[HloComputation, bool] = {}
         self._callers: list[HloInstruction] | None = None
         self._caller_analysis: ReplicationAnalysis | None = None
-        for instr in comp.post_order():
-            self._values[instr] = self._compute(instr)
+        self._dataflow = ForwardDataflow(self, comp)
 
     def is_replicated(self, instr: HloInstruction) -> bool:
         """True when every leaf of `instr`'s value is the same on the devices of each group."""
-        return _all_leaves(self._values[instr])
+        return _all_leaves(self._dataflow.value(instr))
 
-    # -- rules -------------------------------------------------------------------------------------
-    def _compute(self, instr: HloInstruction):
+    # -- the lattice: True (the same on each group's devices) joins False (may differ) to False ----
+    def join(self, a: bool, b: bool) -> bool:
+        return a and b
+
+    def transfer(self, instr: HloInstruction, operands: list) -> bool:
         opcode = instr.opcode
         if opcode in ("constant", "iota"):
             return True
         if opcode in DEVICE_DEPENDENT:
             return False
-        if opcode == "parameter":
-            return self._parameter(instr)
-        if opcode == "get-tuple-element":
-            value = self._values[instr.operand(0)]
-            return value[instr.attrs["index"]] if isinstance(value, tuple) else value
-        if opcode == "tuple":
-            return tuple(self._values[o] for o in instr.operands)
-        operands_replicated = all(_all_leaves(self._values[o]) for o in instr.operands)
         if opcode in _GROUP_UNIFORM_COLLECTIVES and self._covers_our_groups(instr):
             return True
         if any(not self._pure(callee) for callee in instr.called_computations):
             return False
-        return operands_replicated
+        return all(_all_leaves(o) for o in operands)
+
+    def descends(self, instr: HloInstruction, operands: list) -> bool:
+        """Into calls, loops and conditionals only where `transfer` cannot tell: some operand
+        differs, or a callee holds a device-dependent instruction (a body that names none is
+        the same everywhere for the same operands, and stays unparsed when it is)."""
+        return instr.opcode != "fusion" and not (
+            all(_all_leaves(o) for o in operands) and all(self._pure(c) for c in instr.called_computations))
+
+    def through_control(self, result, control):
+        """Devices that disagree on a predicate or a loop condition take different paths."""
+        return result if _all_leaves(control) else False
 
     def _covers_our_groups(self, collective: HloInstruction) -> bool:
         theirs = participants(collective)
@@ -123,7 +136,8 @@ class ReplicationAnalysis:
                 for i in comp.instructions)
         return self._pure_computations[comp]
 
-    def _parameter(self, param: HloInstruction):
+    # -- where the parameters of `comp` start ----------------------------------------------------
+    def parameter(self, param: HloInstruction):
         if self.assume_replicated_parameters:
             return True
         comp = self.comp
@@ -148,14 +162,14 @@ class ReplicationAnalysis:
             return _sharding_replicated(sharding, self.groups)
         return False
 
-    def _called_parameter(self, call: HloInstruction, number: int) -> bool:
+    def _called_parameter(self, call: HloInstruction, number: int):
         """A body parameter: a Shardy manual-computation operand, or what the caller passes."""
         operand = call.operand(number)
         if operand.opcode == "get-tuple-element" and _is_global_to_local(operand.operand(0)):
             return self._manual_operand(operand.operand(0), operand.attrs["index"])
         if self._caller_analysis is None:
             self._caller_analysis = ReplicationAnalysis(call.parent, self.groups, self.space)
-        return self._caller_analysis.is_replicated(operand)
+        return self._caller_analysis._dataflow.value(operand)
 
     def _manual_operand(self, global_to_local: HloInstruction, index: int) -> bool:
         """A shard_map operand is the same on devices that agree on every axis that splits it."""
@@ -186,6 +200,15 @@ class ReplicationAnalysis:
             if len({tuple(coordinates[device][i] for i in which) for device in group}) != 1:
                 return False
         return True
+
+
+def cached_replication_analysis(context, comp: HloComputation, groups: list[list[int]], space: str, *,
+                                assume_replicated_parameters: bool = False) -> ReplicationAnalysis:
+    """`ReplicationAnalysis(comp, groups, space, ...)` from the `PassContext` of a pass run, computed
+    once while the module stays as it is (the pipeline drops it after a pass that changes the module)."""
+    key = (REPLICATION, id(comp), space, tuple(map(tuple, groups)), assume_replicated_parameters)
+    return context.analysis(key, lambda: ReplicationAnalysis(
+        comp, groups, space, assume_replicated_parameters=assume_replicated_parameters))
 
 
 def _is_global_to_local(instr: HloInstruction) -> bool:

@@ -48,8 +48,8 @@ from ..analysis.collectives import (combinable_computations, leaf_shardings, red
                                    result_shapes)
 from ..analysis.constants import scalar_constant
 from ..analysis.replica_groups import uniform_group_size
-from ..analysis.replication_analysis import ReplicationAnalysis, participants
-from ..core import HloPass, register_pass
+from ..analysis.replication_analysis import cached_replication_analysis, participants
+from ..core import HloPass, PassContext, register_pass
 
 # Reducers whose result over equal values is that value.
 _IDEMPOTENT_REDUCERS = frozenset({"minimum", "maximum", "and", "or"})
@@ -68,30 +68,30 @@ class AllReduceSimplifier(HloPass):
     def __post_init__(self):
         self.report: list[str] = []
 
-    def run(self, module: HloModule) -> bool:
+    def run(self, module: HloModule, context: PassContext | None = None) -> bool:
         self.report = []
+        context = context or PassContext()
         changed = False
         for comp in combinable_computations(module):
             if comp.may_contain_text(("all-reduce",)):
-                changed |= self._simplify(comp)
+                changed |= self._simplify(comp, context)
         return changed
 
-    def _simplify(self, comp: HloComputation) -> bool:
+    def _simplify(self, comp: HloComputation, context: PassContext) -> bool:
         """Decide for every all-reduce of `comp` first (the replication analysis reads the
         computation as it is), then rewrite."""
-        analyses: dict[tuple, ReplicationAnalysis] = {}
         plans = []
         for instr in comp.instructions:
             if instr.opcode != "all-reduce":
                 continue
-            plan = self._plan(instr, analyses)
+            plan = self._plan(instr, context)
             if plan is not None:
                 plans.append(plan)
         for plan in plans:
             plan.apply()
         return bool(plans)
 
-    def _plan(self, all_reduce: HloInstruction, analyses: dict) -> "_Plan | None":
+    def _plan(self, all_reduce: HloInstruction, context: PassContext) -> "_Plan | None":
         """Which leaves of `all_reduce` to replace and how; None when none (a reason in the report
         when a replicated leaf stays)."""
         if all_reduce.control_predecessors or all_reduce.control_successors:
@@ -104,10 +104,8 @@ class AllReduceSimplifier(HloPass):
             return None
         if size == 1:
             return _Plan(all_reduce, size, "identity", list(range(all_reduce.operand_count)))
-        key = (found[0], tuple(map(tuple, found[1])))
-        if key not in analyses:
-            analyses[key] = ReplicationAnalysis(all_reduce.parent, found[1], found[0])
-        replicated = [i for i, operand in enumerate(all_reduce.operands) if analyses[key].is_replicated(operand)]
+        analysis = cached_replication_analysis(context, all_reduce.parent, found[1], found[0])
+        replicated = [i for i, operand in enumerate(all_reduce.operands) if analysis.is_replicated(operand)]
         if not replicated:
             return None
         reducer = reducer_opcode(all_reduce.attrs["to_apply"])

@@ -89,6 +89,7 @@ from hlo_tools.ir.shape import FLOAT_DTYPES
 
 from ..analysis.collectives import reducer_opcode
 from ..analysis.constants import UNIT_SHAPE_OPS, folded_scalar_constant
+from ..analysis.dataflow import ForwardDataflow, ForwardLattice
 from ..core import HloPass, register_pass, restore
 from ..rewrites.channel_ids import ChannelIds
 from ..rewrites.cse import eliminate_common_subexpressions
@@ -924,41 +925,64 @@ class _Plan:
 
 # -- the batch dimension of every value ----------------------------------------------------------------
 
-class _BatchDims:
+class _BatchDims(ForwardLattice):
     """Which dimension of each value is the per-device batch: an int, None (no batch: a parameter, a
-    constant, a statistic), OPAQUE (per-example, dimension unknown), a tuple for tuples."""
+    constant, a statistic), OPAQUE (per-example, dimension unknown), a tuple for tuples.
+
+    A client of `ForwardDataflow`, which follows the examples through tuples and into calls (one
+    context per call site); loops, conditionals and fusions hold their examples at OPAQUE."""
 
     def __init__(self, module: HloModule, over_axis=None):
         self.module = module
         self.batch_size: int | None = None   # the examples on one device; 0 when the batch operands disagree
         self.over_axis = over_axis           # at the hook: whether an all-reduce sums over the batch axis
-        self._calls: dict[tuple, object] = {}
+        self._params: dict[int, int] = {}
+        self._comp: HloComputation | None = None
+        self._call_sites: dict[HloComputation, HloInstruction] = {}   # callee -> the call analysed last
 
     def analyse(self, comp: HloComputation, params: dict[int, int]) -> dict:
+        """The batch dimension of every instruction of `comp`, whose parameter n holds the examples
+        along dimension `params[n]`."""
         if self.batch_size is None and params:
             sizes = {comp.parameter(n).shape.dims[d] for n, d in params.items()
                      if n < comp.num_parameters and comp.parameter(n).shape.is_array}
             self.batch_size = sizes.pop() if len(sizes) == 1 else 0
-        info: dict = {}
-        of = self._whole if self.batch_size == 1 and self.over_axis is not None else self._of
-        for instr in comp.post_order():
-            info[instr] = of(instr, info, params)
-        return info
+        self._comp, self._params = comp, params
+        flow = ForwardDataflow(self, comp)
+        return {instr: flow.value(instr) for instr in comp.post_order()}
 
-    def _whole(self, instr: HloInstruction, info: dict, params: dict[int, int]):
+    @property
+    def _one_example(self) -> bool:
+        return self.batch_size == 1 and self.over_axis is not None
+
+    def join(self, a, b):
+        return a if b is None or a == b else b if a is None else OPAQUE
+
+    def parameter(self, param: HloInstruction):
+        if self._one_example:
+            return WHOLE if param.parameter_number in self._params else None
+        return self._params.get(param.parameter_number)
+
+    def descends(self, instr: HloInstruction, operands: list) -> bool:
+        """Into calls only, where every example the call passes is an array's."""
+        if instr.opcode != "call" or self._one_example:
+            return False
+        callee = instr.attrs["to_apply"]
+        if any(not _none(x) and not isinstance(x, int) for x in operands):
+            raise Refusal(f"%{instr.name} passes a tuple or opaque per-example value to %{callee.name}")
+        self._call_sites[callee] = instr
+        return True
+
+    def transfer(self, instr: HloInstruction, operands: list):
+        return self._whole(instr, operands) if self._one_example else self._of(instr, operands)
+
+    def _whole(self, instr: HloInstruction, ins: list):
         """One example per device, at the hook: XLA drops or merges its unit batch dimension at will,
         so only which values are the device's example's is followed (WHOLE): whatever reads one is,
         except an all-reduce over the batch axis, which sums over the devices' examples."""
         op = instr.opcode
-        if op == "parameter":
-            return WHOLE if instr.parameter_number in params else None
-        ins = [info.get(o) for o in instr.operands]
         if all(_none(x) for x in ins):
             return None if not instr.shape.is_tuple else _nones(instr.shape)
-        if op == "get-tuple-element":
-            return ins[0][instr.attrs["index"]] if isinstance(ins[0], tuple) else WHOLE
-        if op == "tuple":
-            return tuple(ins)
         if op == "all-reduce":
             elements = tuple(None if self.over_axis(instr) else x for x in ins)
             return elements if instr.shape.is_tuple else elements[0]
@@ -967,18 +991,10 @@ class _BatchDims:
                           f"the pass follows it only through the entry computation")
         return WHOLE if not instr.shape.is_tuple else tuple(WHOLE for _ in instr.shape.tuple_shapes)
 
-    def _of(self, instr: HloInstruction, info: dict, params: dict[int, int]):
+    def _of(self, instr: HloInstruction, ins: list):
         op = instr.opcode
-        if op == "parameter":
-            return params.get(instr.parameter_number)
-        ins = [info.get(o) for o in instr.operands]
-        if all(_none(x) for x in ins) and op != "call":
+        if all(_none(x) for x in ins):
             return None if not instr.shape.is_tuple else _nones(instr.shape)
-        if op == "get-tuple-element":
-            tup = ins[0]
-            return tup[instr.attrs["index"]] if isinstance(tup, tuple) else OPAQUE
-        if op == "tuple":
-            return tuple(ins)
         if op == "all-reduce" and instr.shape.is_tuple:   # XLA's combined all-reduces: element by element
             return tuple(ins)
         if op in ELEMENTWISE or op in ("all-reduce", "copy", "opt-barrier") and not instr.shape.is_tuple:
@@ -992,6 +1008,9 @@ class _BatchDims:
         if op == "transpose":
             b = ins[0]
             return list(instr.attrs["dimensions"]).index(b) if isinstance(b, int) and b >= 0 else OPAQUE
+        if op == "reduce" and instr.parent is not self._comp and _reduces_batch(instr, ins[0]):
+            raise Refusal(f"%{instr.name} in %{instr.parent.name} (called by %{self._call_sites[instr.parent].name}) "
+                          f"reduces over the batch; run call-inliner first")
         if op == "reduce" and instr.operand_count == 2 and not instr.shape.is_tuple:
             b = ins[0]
             dims = tuple(instr.attrs.get("dimensions", ()))
@@ -1002,8 +1021,6 @@ class _BatchDims:
             return _convolution(instr, ins)
         if op == "dot":
             return _dot(instr, ins)
-        if op == "call":
-            return self._call(instr, ins)
         if op in _BATCH_PRESERVING:
             return _preserving(instr, ins)
         if op == "gather":
@@ -1013,21 +1030,6 @@ class _BatchDims:
         if instr.shape.is_tuple:
             return tuple(OPAQUE for _ in instr.shape.tuple_shapes)
         return OPAQUE
-
-    def _call(self, instr: HloInstruction, ins: list):
-        callee = instr.attrs["to_apply"]
-        key = (callee.name, tuple(map(str, ins)))
-        if key not in self._calls:
-            inner = self.analyse(callee, {n: x for n, x in enumerate(ins) if isinstance(x, int)})
-            for n, x in enumerate(ins):
-                if not _none(x) and not isinstance(x, int):
-                    raise Refusal(f"%{instr.name} passes a tuple or opaque per-example value to %{callee.name}")
-            for i in callee.instructions:
-                if i.opcode == "reduce" and _reduces_batch(i, inner):
-                    raise Refusal(f"%{i.name} in %{callee.name} (called by %{instr.name}) reduces over the batch; "
-                                  f"run call-inliner first")
-            self._calls[key] = inner.get(callee.root)
-        return self._calls[key]
 
 
 def _per_example(instr: HloInstruction, info: dict) -> bool:
@@ -1043,8 +1045,8 @@ def _nones(shape: Shape):
     return tuple(_nones(s) if s.is_tuple else None for s in shape.tuple_shapes)
 
 
-def _reduces_batch(reduce: HloInstruction, info: dict) -> bool:
-    b = info.get(reduce.operand(0))
+def _reduces_batch(reduce: HloInstruction, b) -> bool:
+    """Whether `reduce`, whose operand holds the examples along `b`, sums over them."""
     return b == OPAQUE or (isinstance(b, int) and b in tuple(reduce.attrs.get("dimensions", ())))
 
 

@@ -1,0 +1,139 @@
+"""A sparse forward dataflow engine over HLO values, which the analyses of values share.
+
+A client, a `ForwardLattice`, says what it knows about one value: its states and how two of them
+combine (`join`), what each instruction makes of its operands' states (`transfer`), and where
+the parameters of the computation it asks about start (`parameter`). `ForwardDataflow` does the
+rest, the way MLIR's SparseForwardDataFlowAnalysis and XLA's HloDataflowAnalysis do:
+
+* a value's state is the client's leaf state, or a Python tuple of states for a tuple-shaped
+  value, element by element (a leaf state where a tuple is expected stands for every element):
+  `tuple` and `get-tuple-element` are the engine's, so clients never see tuple plumbing;
+* it walks each computation in post order, so that operands come before their users, and
+  descends into the computations an instruction calls, with the operands' states as the callee's
+  parameters: `call` (the result is the callee root's), `fusion` for clients that look into
+  fusion bodies (`ForwardLattice.descends`; a body left unparsed stays unread otherwise),
+  `conditional` (the join of the branches' roots), and `while`, whose loop-carried state is the
+  join of the init and the body's result, iterated until it stops growing (a fixed point, since
+  states only grow and a lattice has finite height); the condition sees the same state.
+  `through_control` lets the result of the last two depend on the value that decides the
+  control flow (devices that disagree on a predicate take different branches).
+
+Each call site is analysed with its own operands' states, memoized by (computation, parameter
+states): the precision that XLA gets by flattening the call graph first, without copying
+anything. `value(instr)` of an instruction in a called computation is the join over the
+contexts it was analysed in.
+
+An analysis built on it is computed once per pass run while the module stays as it is in the
+run's `PassContext.analysis`, this project's AnalysisManager: under a kind of its own, which a
+pass that keeps it valid names in `HloPass.preserves` (`replication_analysis.REPLICATION`).
+"""
+from __future__ import annotations
+
+from hlo_tools import HloComputation, HloInstruction
+
+# Instructions whose called computations the engine can follow values into.
+_CALLING = frozenset({"call", "fusion", "while", "conditional"})
+
+
+class ForwardLattice:
+    """What a client of `ForwardDataflow` tracks. Leaf states are hashable (they key the memo of
+    analysed calls) and never Python tuples (those are the engine's tuple-shaped values)."""
+
+    def join(self, a, b):
+        """The least state that holds both leaf states (monotone, for the loops' fixed point)."""
+        raise NotImplementedError
+
+    def parameter(self, param: HloInstruction):
+        """The state of a parameter of the computation the analysis starts from."""
+        raise NotImplementedError
+
+    def transfer(self, instr: HloInstruction, operands: list):
+        """The state of `instr`'s value given its operands' states: every opcode but those the
+        engine handles (parameters of called computations, tuples, and what it descends into)."""
+        raise NotImplementedError
+
+    def descends(self, instr: HloInstruction, operands: list) -> bool:
+        """Whether the engine follows the states into the computations that `instr` (a call, a
+        fusion, a while or a conditional) calls; where not, `transfer` decides alone. By default
+        all but fusion bodies, which hold nothing most clients need and may be left unparsed."""
+        return instr.opcode != "fusion"
+
+    def through_control(self, result, control):
+        """The result of a conditional or while given the state of what decides which branch or
+        how many iterations run (the predicate or branch index, the condition's root)."""
+        return result
+
+
+class ForwardDataflow:
+    """The states of every value of `comp` and of what it calls, for one `ForwardLattice`."""
+
+    def __init__(self, lattice: ForwardLattice, comp: HloComputation):
+        self.lattice = lattice
+        self.comp = comp
+        self._values: dict[HloInstruction, object] = {}
+        self._roots: dict[tuple, object] = {}   # (computation, parameter states) -> root state
+        self._run(comp, tuple(lattice.parameter(p) for p in comp.parameters))
+
+    def value(self, instr: HloInstruction):
+        """The state of `instr`'s value (joined over its contexts, in a called computation)."""
+        return self._values[instr]
+
+    def join(self, a, b):
+        """`ForwardLattice.join` extended to tuple-shaped states, element by element."""
+        if isinstance(a, tuple) or isinstance(b, tuple):
+            size = len(a) if isinstance(a, tuple) else len(b)
+            a_elements = a if isinstance(a, tuple) else (a,) * size
+            b_elements = b if isinstance(b, tuple) else (b,) * size
+            return tuple(self.join(x, y) for x, y in zip(a_elements, b_elements))
+        return self.lattice.join(a, b)
+
+    def _run(self, comp: HloComputation, parameters: tuple):
+        """The state of `comp`'s root when its parameters have these states."""
+        key = (comp, parameters)
+        if key not in self._roots:
+            local: dict[HloInstruction, object] = {}
+            for instr in comp.post_order():
+                local[instr] = self._transfer(instr, [local[o] for o in instr.operands], parameters)
+            for instr, state in local.items():
+                self._values[instr] = self.join(self._values[instr], state) if instr in self._values else state
+            self._roots[key] = local[comp.root]
+        return self._roots[key]
+
+    def _transfer(self, instr: HloInstruction, operands: list, parameters: tuple):
+        opcode = instr.opcode
+        if opcode == "parameter":
+            return parameters[instr.parameter_number]
+        if opcode == "tuple":
+            return tuple(operands)
+        if opcode == "get-tuple-element":
+            whole = operands[0]
+            return whole[instr.attrs["index"]] if isinstance(whole, tuple) else whole
+        if opcode in _CALLING and self.lattice.descends(instr, operands):
+            if opcode == "while":
+                return self._loop(instr, operands[0])
+            if opcode == "conditional":
+                return self._branches(instr, operands)
+            return self._run(instr.attrs["to_apply" if opcode == "call" else "calls"], tuple(operands))
+        return self.lattice.transfer(instr, operands)
+
+    def _loop(self, loop: HloInstruction, init):
+        """The loop-carried state: the join of `init` and of what the body makes of it, until stable."""
+        body, condition = loop.attrs["body"], loop.attrs["condition"]
+        state = init
+        while True:
+            decided = self._run(condition, (state,))
+            carried = self.join(state, self._run(body, (state,)))
+            grown = self.join(state, self.lattice.through_control(carried, decided))
+            if grown == state:
+                return state
+            state = grown
+
+    def _branches(self, conditional: HloInstruction, operands: list):
+        """The join of the branches' roots, each branch given its operand."""
+        branches = conditional.attrs.get("branch_computations") or (
+            conditional.attrs["true_computation"], conditional.attrs["false_computation"])
+        result = None
+        for branch, operand in zip(branches, operands[1:]):
+            root = self._run(branch, (operand,))
+            result = root if result is None else self.join(result, root)
+        return self.lattice.through_control(result, operands[0])
