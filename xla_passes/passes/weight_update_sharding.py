@@ -74,8 +74,9 @@ from hlo_tools.ir.shape_inference import infer_shape
 from ..analysis.collectives import reducer_opcode, slices_are_contiguous
 from ..analysis.constants import constant_array
 from ..analysis.replica_groups import DeviceCounts
-from ..analysis.replication_analysis import REPLICA_IDS, ReplicationAnalysis, participants
-from ..core import HloPass, register_pass
+from ..analysis.replication_analysis import (REPLICA_IDS, REPLICATION, ReplicationAnalysis, cached_replication_analysis,
+                                             participants)
+from ..core import HloPass, PassContext, register_pass
 from ..rewrites.inlining import inline
 
 logger = logging.getLogger("xla_passes")
@@ -134,12 +135,13 @@ class WeightUpdateSharding(HloPass):
     def __post_init__(self):
         self.report: list[WeightReport] = []
 
-    def run(self, module: HloModule) -> bool:
+    def run(self, module: HloModule, context: PassContext | None = None) -> bool:
         self.report = []
+        context = context or PassContext()
         changed = False
         for comp in list(module.computations):
             if any(i.opcode == "all-reduce" for i in comp.instructions):
-                rewriter = _ComputationSharder(self, module, comp)
+                rewriter = _ComputationSharder(self, module, comp, context)
                 changed |= rewriter.run()
                 self.report.extend(rewriter.reports)
         if self.persistent and not self.report and _before_partitioning(module):
@@ -296,12 +298,13 @@ class _Region:
 class _ComputationSharder:
     """Finds the update regions of one computation and rewrites those that can be sharded."""
 
-    def __init__(self, hlo_pass: WeightUpdateSharding, module: HloModule, comp: HloComputation):
+    def __init__(self, hlo_pass: WeightUpdateSharding, module: HloModule, comp: HloComputation,
+                 context: PassContext):
         self.options = hlo_pass
         self.module = module
         self.comp = comp
+        self.context = context
         self.reports: list[WeightReport] = []
-        self._analyses: dict[tuple, ReplicationAnalysis] = {}
         self._positions: dict[tuple, HloInstruction] = {}
         self._offsets: dict[tuple, HloInstruction] = {}
         self._zero_index: HloInstruction | None = None
@@ -349,8 +352,10 @@ class _ComputationSharder:
         accepted = [r for r in regions if r.plan is not None]
         if not accepted:
             checkpoint.restore()   # nothing to shard: no reordering, inlining or folding either
+            self.context.forget(REPLICATION)
             return False
         self._rewrite(accepted, chains)
+        self.context.forget(REPLICATION)
         return True
 
     def _analyse(self, held_back: set) -> tuple[list["_Region"], dict, dict]:
@@ -358,7 +363,8 @@ class _ComputationSharder:
         (`_is_fixable_use`; not those `held_back`) the gradients of the regions it stood in."""
         fixed_for: dict[HloInstruction, set[str]] = {}
         while True:
-            self._analyses = {}
+            # Folding, hoisting, inlining and restoring a checkpoint rewrite the computation: ask again.
+            self.context.forget(REPLICATION)
             self._order = {instr: i for i, instr in enumerate(self.comp.post_order())}
             leaves = self._gradient_leaves()
             chains = self._chains(leaves)
@@ -503,14 +509,13 @@ class _ComputationSharder:
 
     def _analysis(self, key, *, assume_replicated_parameters: bool | None = None) -> ReplicationAnalysis:
         """Replication within the groups of `key`, taking parameters as replicated when the
-        option says so (or when `assume_replicated_parameters` overrides it)."""
+        option says so (or when `assume_replicated_parameters` overrides it): the context's
+        analysis, which `_analyse` forgets before each look at a computation it rewrote."""
         assume = self.options.assume_replicated_parameters if assume_replicated_parameters is None \
             else assume_replicated_parameters
-        if (key, assume) not in self._analyses:
-            space, groups = key
-            self._analyses[key, assume] = ReplicationAnalysis(
-                self.comp, [list(g) for g in groups], space, assume_replicated_parameters=assume)
-        return self._analyses[key, assume]
+        space, groups = key
+        return cached_replication_analysis(self.context, self.comp, [list(g) for g in groups], space,
+                                           assume_replicated_parameters=assume)
 
     def _regions(self, chains: dict[_Leaf, list[_Leaf]]) -> list[_Region]:
         """Grow the update regions from the gradient leaves with the same groups and shape."""
