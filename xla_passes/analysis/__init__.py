@@ -7,7 +7,11 @@
 - `dataflow`: the forward dataflow engine that analyses of values are clients of (a lattice,
   transfer functions; tuples, calls, loops and conditionals followed by the engine);
 - `replication_analysis`: which values are the same on every device of a group;
-- `reachability`: what depends on what (`DependencyTracker`, `reachable_from`);
+- `reachability`: what depends on what (`DependencyTracker`, `reachable_from`,
+  `operand_connected_components`);
+- `elementwise`: which instructions compute each element from the same element of their operands;
+- `reductions`: reductions whose partial results combine (full, blockwise, along some dimensions;
+  norm and statistics fusions);
 - `constants`: the value of a constant operand (`scalar_constant`, `folded_scalar_constant`);
 - `topology_fit`: whether an all-reduce can be rewritten onto a topology's devices
   (`all_reduce_misfit`, `permute_space`).

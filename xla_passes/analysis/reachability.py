@@ -39,3 +39,23 @@ def reachable_from(sources: Iterable[HloInstruction], order: Iterable[HloInstruc
         if any(o in found for o in instr.operands):
             found.add(instr)
     return found
+
+
+def operand_connected_components(members: set) -> list[set]:
+    """The sets of `members` that operand edges between members connect (directions ignored)."""
+    parent = {m: m for m in members}
+
+    def find(x):
+        while parent[x] is not x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for member in members:
+        for operand in member.operands:
+            if operand in members:
+                parent[find(operand)] = find(member)
+    components: dict = {}
+    for member in members:
+        components.setdefault(find(member), set()).add(member)
+    return list(components.values())

@@ -72,7 +72,10 @@ from hlo_tools.ir.shape import FLOAT_DTYPES
 from hlo_tools.ir.shape_inference import infer_shape
 
 from ..analysis.collectives import reducer_opcode, slices_are_contiguous
-from ..analysis.constants import constant_array
+from ..analysis.elementwise import elementwise_like, is_scalar_broadcast
+from ..analysis.reachability import operand_connected_components
+from ..analysis.reductions import (REDUCER_IDENTITY, full_reduction_of, is_collapsible_block_reduction,
+                                   is_norm_fusion, is_statistics_fusion, reduces_from_identity)
 from ..analysis.replica_groups import DeviceCounts
 from ..analysis.replication_analysis import (REPLICA_IDS, REPLICATION, ReplicationAnalysis, cached_replication_analysis,
                                              participants)
@@ -83,9 +86,6 @@ logger = logging.getLogger("xla_passes")
 
 # Instructions that pass a value on unchanged in content on its way out of the step.
 _FORWARDING = frozenset({"tuple", "reshape", "bitcast", "copy"})
-# Reducers whose partial results combine with an all-reduce, with their identity element.
-_REDUCER_IDENTITY = {"add": 0.0, "multiply": 1.0, "maximum": -math.inf, "minimum": math.inf,
-                     "and": True, "or": False}
 
 
 @dataclasses.dataclass
@@ -387,7 +387,7 @@ class _ComputationSharder:
                     continue  # inlined with a fusion that reduced it
                 if user.opcode == "fusion":
                     _inline_fusion(user)
-                elif _is_collapsible(user):
+                elif is_collapsible_block_reduction(user):
                     _collapse_block_reduction(user)
 
     def _hoist_gradient_reorderings(self) -> bool:
@@ -462,7 +462,7 @@ class _ComputationSharder:
                 seen.add(user)
                 if user.opcode == "fusion":
                     lifted |= _lift_reshapes(self.module, user, dims)
-                if user.shape.is_array and user.shape.dims == dims and _elementwise_like(user, dims):
+                if user.shape.is_array and user.shape.dims == dims and elementwise_like(user, dims):
                     work.append(user)
         return lifted
 
@@ -557,12 +557,12 @@ class _ComputationSharder:
             grown = False
             for member, axes in list(members.items()):
                 for operand in member.operands:
-                    if (operand not in members and _elementwise_like(operand, tuple(full_dims[a] for a in axes))
+                    if (operand not in members and elementwise_like(operand, tuple(full_dims[a] for a in axes))
                             and analysis.is_replicated(operand) and not operand.is_root
                             and all(u in members and members[u] == axes for u in operand.users)):
                         members[operand] = axes
                         grown = True
-        components = sorted(_connected_components(set(members)), key=lambda c: min(self._order[m] for m in c))
+        components = sorted(operand_connected_components(set(members)), key=lambda c: min(self._order[m] for m in c))
         projections = {m: axes for m, axes in members.items() if axes != all_axes}
         return [self._describe_region(key, component, tops, blocked, projections) for component in components]
 
@@ -576,7 +576,7 @@ class _ComputationSharder:
                 continue
             for operand in member.operands:
                 if (operand not in component and operand not in sliced and operand.shape.rank > 0
-                        and not _is_scalar_broadcast(operand)):
+                        and not is_scalar_broadcast(operand)):
                     sliced.append(operand)
         region = _Region(key, order, region_tops, sliced, frozenset(order),
                          projections={m: a for m, a in projections.items() if m in component})
@@ -588,7 +588,7 @@ class _ComputationSharder:
                     continue
                 if user not in blocked and self._leaves_step(user):
                     region.outputs.append((member, user))
-                elif _full_reduction_of(user, member) and self._analysis(key).is_replicated(user.operand(1)):
+                elif full_reduction_of(user, member) and self._analysis(key).is_replicated(user.operand(1)):
                     region.reductions.append(user)
                 else:
                     region.blocking.append((member, user))
@@ -921,10 +921,10 @@ class _ComputationSharder:
         shard_shape = region.plan.projection_shard_shape(operand.shape, axes)
         only_the_region_uses_it = not operand.is_root and all(
             u in region.member_set and region.axes(u) == axes for u in operand.users)
-        if _is_scalar_broadcast(operand) and only_the_region_uses_it:
+        if is_scalar_broadcast(operand) and only_the_region_uses_it:
             operand.set_shape(shard_shape)
             shard = operand
-        elif _is_scalar_broadcast(operand):
+        elif is_scalar_broadcast(operand):
             shard = self._add("broadcast", [operand.operand(0)], shard_shape, attrs={"dimensions": ()},
                               name=f"{operand.name}.shard")
         elif axes != tuple(range(len(region.plan.full_dims))):
@@ -1607,28 +1607,12 @@ def _is_gradient_shape(shape: Shape) -> bool:
     return shape.is_array and shape.rank > 0 and shape.dtype in FLOAT_DTYPES and not shape.is_dynamic
 
 
-def _is_scalar_broadcast(instr: HloInstruction) -> bool:
-    return instr.opcode == "broadcast" and instr.operand(0).shape.rank == 0
-
-
-def _elementwise_like(instr: HloInstruction, full_dims: tuple[int, ...]) -> bool:
-    """An instruction whose element i depends only on element i of its full-size operands."""
-    shape = instr.shape
-    if not shape.is_array or shape.dims != full_dims or shape.is_dynamic:
-        return False
-    if instr.opcode in ELEMENTWISE:
-        return not instr.control_predecessors and instr.opcode != "rng"
-    if instr.opcode == "fusion" and instr.attrs.get("kind") == "kLoop":
-        return _elementwise_fused_computation(instr.attrs["calls"], full_dims)
-    return False
-
-
 def _spanned_axes(user: HloInstruction, members: dict, full_dims: tuple[int, ...]) -> tuple[int, ...] | None:
     """The weight's dimensions that `user` spans when the update region can take it in, else None.
 
     `members` maps the region's values to the dimensions each spans. The region takes in an
     elementwise instruction (or kLoop fusion of them) over values that span the same dimensions,
-    a reduce of some (not all: `_full_reduction_of`) of a value's dimensions with a reducer whose
+    a reduce of some (not all: `full_reduction_of`) of a value's dimensions with a reducer whose
     partial results combine, from its identity, and a broadcast of a value back to the weight's
     shape along the dimensions it spans (Adafactor's row and column statistics, `_Plan.projection_shard_shape`).
     """
@@ -1637,7 +1621,7 @@ def _spanned_axes(user: HloInstruction, members: dict, full_dims: tuple[int, ...
         return None
     (axes,) = spans
     if user.opcode == "reduce":
-        if user.operand_count != 2 or user.operand(0) not in members or not _reduces_from_identity(user):
+        if user.operand_count != 2 or user.operand(0) not in members or not reduces_from_identity(user):
             return None
         reduced = set(user.attrs.get("dimensions", ()))
         kept = tuple(axis for position, axis in enumerate(axes) if position not in reduced)
@@ -1647,29 +1631,7 @@ def _spanned_axes(user: HloInstruction, members: dict, full_dims: tuple[int, ...
                 not user.control_predecessors:
             return tuple(range(len(full_dims)))
         return None
-    return axes if _elementwise_like(user, tuple(full_dims[axis] for axis in axes)) else None
-
-
-def _reduces_from_identity(reduce: HloInstruction) -> bool:
-    """A reduce whose reducer's partial results combine, from the reducer's identity."""
-    opcode = reducer_opcode(reduce.attrs["to_apply"])
-    return opcode in _REDUCER_IDENTITY and _is_identity(reduce.operand(1), opcode)
-
-
-def _elementwise_fused_computation(fused: HloComputation, full_dims) -> bool:
-    """A fused computation of elementwise instructions on full-size arrays and scalars."""
-    for instr in fused.instructions:
-        shape = instr.shape
-        if not shape.is_array or shape.dims not in (full_dims, ()):
-            return False
-        if instr.opcode == "parameter" or instr.opcode in ELEMENTWISE:
-            continue
-        if instr.opcode == "constant" and shape.rank == 0:
-            continue
-        if _is_scalar_broadcast(instr):
-            continue
-        return False
-    return True
+    return axes if elementwise_like(user, tuple(full_dims[axis] for axis in axes)) else None
 
 
 def _output_parameters(module: HloModule, outputs: int) -> dict[int, int]:
@@ -1744,7 +1706,7 @@ def _reordered_chain(starts: list[HloInstruction], dims: tuple[int, ...], *, sta
                 ends.append(user)
             elif (user.opcode in ELEMENTWISE and user.shape.is_array and user.shape.dims == dims
                   and not user.is_root and not user.control_predecessors
-                  and all(o in chain or o.shape.rank == 0 or _is_scalar_broadcast(o) or _is_one_element_constant(o)
+                  and all(o in chain or o.shape.rank == 0 or is_scalar_broadcast(o) or _is_one_element_constant(o)
                           or (statistics and _is_broadcast_to(o, dims)) for o in user.operands)):
                 chain.append(user)
                 work.append(user)
@@ -1763,7 +1725,7 @@ def _statistics_broadcasts(chain: list[HloInstruction]) -> list[HloInstruction]:
     """The broadcasts of lower-rank values that the instructions of `chain` read (Adafactor's
     row and column statistics, broadcast back along the dimensions they span)."""
     return list(dict.fromkeys(o for instr in chain for o in instr.operands
-                              if o.opcode == "broadcast" and o not in chain and not _is_scalar_broadcast(o)))
+                              if o.opcode == "broadcast" and o not in chain and not is_scalar_broadcast(o)))
 
 
 def _moved_dimensions(key) -> dict[int, int] | None:
@@ -1817,7 +1779,7 @@ def _lift_reshapes(module: HloModule, fusion: HloInstruction, dims: tuple[int, .
     inside = {i for p in lifted for i in (p, *_reordered_chain([p], p.shape.dims)[0])}
     inside |= {e for p in lifted for e in _reordered_chain([p], p.shape.dims)[1]} | ({root} if lift_root else set())
     if any(i.shape.dims not in (dims, ()) for i in fused.instructions if i not in inside and not (
-            (_is_scalar_broadcast(i) or _is_one_element_constant(i)) and all(u in inside for u in i.users))):
+            (is_scalar_broadcast(i) or _is_one_element_constant(i)) and all(u in inside for u in i.users))):
         return False
     if len(module.callers().get(fused, [])) != 1:
         fusion.attrs["calls"] = module.clone_computation(fused, suffix="lifted")
@@ -1886,7 +1848,7 @@ def _reduced_in_any_order(values: list[HloInstruction], users: list[HloInstructi
                           moved: dict[int, int] | None):
     """Follow `values` (of shape `dims`) into `users`: (the values that carry them elementwise,
     starting with `values`; the reductions and fusions where they end; "") when all that becomes of
-    them is reductions with a commutative reducer (`_REDUCER_IDENTITY`): full ones, or, when
+    them is reductions with a commutative reducer (`REDUCER_IDENTITY`): full ones, or, when
     the values are to be transposed (`moved`: `_moved_dimensions`), of some dimensions whose
     kept ones stay in order (Adafactor's row and column statistics). Reading them in another
     order then changes only the order in which those reductions combine the same elements (a
@@ -1901,10 +1863,10 @@ def _reduced_in_any_order(values: list[HloInstruction], users: list[HloInstructi
         if user.control_predecessors:
             return carried, ends, f"%{user.name} ({user.opcode}) has control dependencies"
         if (user.opcode == "reduce" and user.operand_count == 2 and user.operand(0) in carried
-                and reducer_opcode(user.attrs["to_apply"]) in _REDUCER_IDENTITY and _reduces_alike(user, moved)):
+                and reducer_opcode(user.attrs["to_apply"]) in REDUCER_IDENTITY and _reduces_alike(user, moved)):
             ends.append(user)
         elif (user.opcode in ELEMENTWISE and user.shape.is_array and user.shape.dims == dims
-              and all(o in carried or o.shape.rank == 0 or _is_scalar_broadcast(o) or _is_one_element_constant(o)
+              and all(o in carried or o.shape.rank == 0 or is_scalar_broadcast(o) or _is_one_element_constant(o)
                       for o in user.operands)):
             carried.append(user)
             work.update(user.users)
@@ -2074,7 +2036,7 @@ def _retype_chain(comp: HloComputation, chain: list[HloInstruction], dims: tuple
                     before=instr))
                 if not operand.users:
                     comp.remove_instruction(operand)
-            elif _is_scalar_broadcast(operand) and operand.shape.dims == dims:
+            elif is_scalar_broadcast(operand) and operand.shape.dims == dims:
                 if all(u in chain for u in operand.users):
                     operand.set_shape(shape.with_dtype(operand.shape.dtype))
                 else:
@@ -2084,108 +2046,9 @@ def _retype_chain(comp: HloComputation, chain: list[HloInstruction], dims: tuple
         instr.set_shape(shape.with_dtype(instr.shape.dtype))  # a chain may convert
 
 
-def _is_norm_fusion(instr: HloInstruction) -> bool:
-    """A fusion that reduces full-size values (a global or per-tensor norm): once inlined, its
-    reductions become reductions of shards and an all-reduce of the results.
-
-    Its fused computation holds only elementwise instructions, scalar broadcasts, constants,
-    reduces and block reduce-windows (`_block_reduction_opcode`), whatever its kind: a fusion
-    means its computation, and XLA's CPU backend computes the sums of squares of global-norm
-    clipping in `kCustom` fusions (`__ynn_fusion`). Its result is a scalar, or the partial
-    results of a block reduce-window at its root that its users all reduce in full with the same
-    reducer (`_reduced_fully`): XLA:CPU reduces `f32[256,16]` to a scalar as a reduce-window
-    to `f32[8,1]` partial sums and a reduce of those, in two fusions.
-    """
-    if instr.opcode != "fusion" or instr.attrs.get("kind") not in ("kLoop", "kInput", "kCustom"):
-        return False
-    fused = instr.attrs["calls"]
-    if not any(i.opcode in ("reduce", "reduce-window") for i in fused.instructions):
-        return False
-    if not all(i.opcode in ("parameter", "constant", "reduce") or i.opcode in ELEMENTWISE or _is_scalar_broadcast(i)
-               or _block_reduction_opcode(i, fused) is not None for i in fused.instructions):
-        return False
-    if instr.shape.rank == 0:
-        return True
-    opcode = _block_reduction_opcode(fused.root, fused)
-    return opcode is not None and not instr.is_root and _reduced_fully(instr, opcode)
-
-
-def _block_reduction_opcode(instr: HloInstruction, fused: HloComputation | None = None,
-                            fusion: HloInstruction | None = None) -> str | None:
-    """For a reduce-window whose windows partition its operand with a reducer whose partial
-    results combine, from its identity: the reducer's opcode, else None. A full reduction of its
-    result with the same reducer is then a full reduction of its operand (in another order).
-
-    The windows partition the operand when, in every dimension, the stride equals the window
-    size, nothing is dilated or reversed, and the padded dimension is a whole number of windows;
-    padding may not be negative (that drops elements). Padding takes the initial value (XLA's
-    CPU backend pads `f32[40,9]` to 64 rows for windows of 32), which is the identity here: a
-    padded position adds nothing. In a fused computation (`fused`) the initial value may be a
-    parameter of it: a constant operand of `fusion` when given, else accepted
-    (`_reduced_fully` checks it)."""
-    if instr.opcode != "reduce-window" or instr.operand_count != 2 or not instr.shape.is_array:
-        return None
-    operand, window = instr.operand(0), instr.attrs.get("window")
-    dims = window.dimensions if window is not None else ()
-    if not operand.shape.is_array or len(dims) != operand.shape.rank or operand.shape.is_dynamic:
-        return None
-    windows = []
-    for d, size in zip(dims, operand.shape.dims):
-        padded = d.padding_low + size + d.padding_high
-        if (d.size < 1 or d.size != d.stride or d.padding_low < 0 or d.padding_high < 0 or padded % d.size
-                or d.window_dilation != 1 or d.base_dilation != 1 or d.window_reversal):
-            return None
-        windows.append(padded // d.size)
-    if instr.shape.dims != tuple(windows):
-        return None
-    opcode = reducer_opcode(instr.attrs["to_apply"])
-    if opcode not in _REDUCER_IDENTITY:
-        return None
-    init = instr.operand(1)
-    if fused is not None and init.opcode == "parameter" and init.parent is fused:
-        if fusion is None:
-            return opcode
-        init = fusion.operand(init.parameter_number)
-    return opcode if _is_identity(init, opcode) else None
-
-
-def _is_identity(instr: HloInstruction, opcode: str) -> bool:
-    value = constant_array(instr)
-    return value is not None and bool(np.asarray(value == _REDUCER_IDENTITY[opcode]).all())
-
-
-def _reduced_fully(value: HloInstruction, opcode: str) -> bool:
-    """Whether every use of `value` reduces all of it with the reducer `opcode` from its identity:
-    a reduce, or a scalar norm fusion whose parameters bound to `value` are only so reduced; and
-    whether the initial value of a block reduce-window at the root of the fusion `value` is one."""
-    if value.opcode == "fusion":
-        fused = value.attrs["calls"]
-        if _block_reduction_opcode(fused.root, fused, value) != opcode:
-            return False
-    if not value.users or value.is_root:
-        return False
-    for user in value.users:
-        if user.opcode == "reduce":
-            if not (_full_reduction_of(user, value) and reducer_opcode(user.attrs["to_apply"]) == opcode):
-                return False
-        elif user.opcode == "fusion" and user.shape.rank == 0 and _is_norm_fusion(user):
-            fused = user.attrs["calls"]
-            for number, operand in enumerate(user.operands):
-                if operand is not value:
-                    continue
-                parameter = fused.parameter(number)
-                if not parameter.users or parameter.is_root or not all(
-                        _full_reduction_of(u, parameter, user) and reducer_opcode(u.attrs["to_apply"]) == opcode
-                        for u in parameter.users):
-                    return False
-        else:
-            return False
-    return True
-
-
 def _collapse_block_reduction(reduce_window: HloInstruction) -> None:
-    """`reduce(reduce-window(x))` becomes `reduce(x)` (`_block_reduction_opcode`, `_reduced_fully`,
-    `_partials_reduced`): the fusions that reduce the partial results are inlined first."""
+    """`reduce(reduce-window(x))` becomes `reduce(x)` (`block_reduction_opcode`, `reduced_fully`,
+    `partials_reduced`): the fusions that reduce the partial results are inlined first."""
     source = reduce_window.operand(0)
     for fusion in list(dict.fromkeys(u for u in reduce_window.users if u.opcode == "fusion")):
         _inline_fusion(fusion)
@@ -2195,77 +2058,9 @@ def _collapse_block_reduction(reduce_window: HloInstruction) -> None:
         reduce_window.parent.remove_instruction(reduce_window)
 
 
-def _is_collapsible(instr: HloInstruction) -> bool:
-    """A block reduce-window whose partial results are only reduced in full with its reducer, or
-    only reduced further along the dimensions it reduces (`_collapses_into`), also once the
-    fusions that read them are inlined."""
-    opcode = _block_reduction_opcode(instr)
-    if opcode is None:
-        return False
-    return _reduced_fully(instr, opcode) or _partials_reduced(instr, instr.attrs["window"], opcode)
-
-
-def _partials_reduced(value: HloInstruction, window, opcode: str) -> bool:
-    """Whether every use of `value`, the partial results of a block reduce-window with `window`
-    and the reducer `opcode`, reduces them further (`_reduces_blocks`): a reduce, or a fusion
-    that `run` inlines whose parameters bound to `value` are only so reduced."""
-    if not value.users or value.is_root:
-        return False
-    for user in value.users:
-        if user.opcode == "fusion" and (_is_statistics_fusion(user) or _is_norm_fusion(user)):
-            fused = user.attrs["calls"]
-            for number, operand in enumerate(user.operands):
-                parameter = fused.parameter(number)
-                if operand is value and (not parameter.users or parameter.is_root or not all(
-                        _reduces_blocks(u, parameter, window, opcode, user) for u in parameter.users)):
-                    return False
-        elif not _reduces_blocks(user, value, window, opcode):
-            return False
-    return True
-
-
-def _reduces_blocks(reduce: HloInstruction, value: HloInstruction, window, opcode: str,
-                    fusion: HloInstruction | None = None) -> bool:
-    """Whether `reduce` reduces `value`, the partial results of a block reduce-window with `window`
-    and the reducer `opcode`, with that reducer from its identity along every dimension in which a
-    window holds more than one element (or is padded): it then reduces the reduce-window's operand
-    along the same dimensions (in another order). Inside the fused computation of `fusion`, the
-    identity may come in as a parameter that `fusion` binds to a constant."""
-    if reduce.opcode != "reduce" or reduce.operand_count != 2 or reduce.operand(0) is not value:
-        return False
-    init = reduce.operand(1)
-    if fusion is not None and init.opcode == "parameter" and init.parent is fusion.attrs["calls"]:
-        init = fusion.operand(init.parameter_number)
-    if reducer_opcode(reduce.attrs["to_apply"]) != opcode or not _is_identity(init, opcode):
-        return False
-    reduced = set(reduce.attrs.get("dimensions", ()))
-    return all(d.size == 1 and d.padding_low == 0 and d.padding_high == 0
-               for dim, d in enumerate(window.dimensions) if dim not in reduced)
-
-
-def _is_statistics_fusion(instr: HloInstruction) -> bool:
-    """A fusion that reduces or broadcasts arrays along some of their dimensions, with elementwise
-    instructions between (Adafactor's row and column statistics, and the update that broadcasts
-    them back): once inlined, the update region takes in its reduces and broadcasts (`_spanned_axes`);
-    its bitcasts and reshapes (a pmap step's `[1, ...]` weights) only pass values in or out. Partial sums of block reduce-windows that leave it must only be reduced further."""
-    if instr.opcode != "fusion" or instr.attrs.get("kind") not in ("kLoop", "kInput", "kCustom") or \
-            not instr.shape.is_array:
-        return False
-    fused = instr.attrs["calls"]
-    if fused.root.opcode == "reduce-window":
-        opcode = _block_reduction_opcode(fused.root, fused, instr)
-        if opcode is None or not _partials_reduced(instr, fused.root.attrs["window"], opcode):
-            return False
-    if not any(i.opcode in ("reduce", "reduce-window", "bitcast", "reshape")
-               or (i.opcode == "broadcast" and not _is_scalar_broadcast(i)) for i in fused.instructions):
-        return False
-    return all(i.opcode in ("parameter", "constant", "reduce", "broadcast", "bitcast", "reshape")
-               or i.opcode in ELEMENTWISE or _block_reduction_opcode(i, fused) is not None for i in fused.instructions)
-
-
 def _is_fixable_use(instr: HloInstruction) -> bool:
     """A use that stops the update region only until `run` inlines or collapses it."""
-    return _is_norm_fusion(instr) or _is_statistics_fusion(instr) or _is_collapsible(instr)
+    return is_norm_fusion(instr) or is_statistics_fusion(instr) or is_collapsible_block_reduction(instr)
 
 
 def _inline_fusion(fusion: HloInstruction) -> None:
@@ -2275,42 +2070,6 @@ def _inline_fusion(fusion: HloInstruction) -> None:
     inline(fusion, fused)
     if not module.callers().get(fused):
         module.remove_computation(fused)
-
-
-def _full_reduction_of(user: HloInstruction, member: HloInstruction, fusion: HloInstruction | None = None) -> bool:
-    """A reduce of all dimensions of `member` with a reducer whose partial results combine, from
-    its identity (inside the fused computation of `fusion`, the identity may come in as a
-    parameter that `fusion` binds to a constant)."""
-    if user.opcode != "reduce" or user.operand_count != 2 or user.operand(0) is not member:
-        return False
-    if tuple(sorted(user.attrs.get("dimensions", ()))) != tuple(range(member.shape.rank)):
-        return False
-    opcode = reducer_opcode(user.attrs["to_apply"])
-    if opcode not in _REDUCER_IDENTITY:
-        return False
-    init = user.operand(1)
-    if fusion is not None and init.opcode == "parameter" and init.parent is fusion.attrs["calls"]:
-        init = fusion.operand(init.parameter_number)
-    return _is_identity(init, opcode)
-
-
-def _connected_components(members: set) -> list[set]:
-    parent = {m: m for m in members}
-
-    def find(x):
-        while parent[x] is not x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    for member in members:
-        for operand in member.operands:
-            if operand in members:
-                parent[find(operand)] = find(member)
-    components: dict = {}
-    for member in members:
-        components.setdefault(find(member), set()).add(member)
-    return list(components.values())
 
 
 def _origin_name(instr: HloInstruction, callers: dict, shared_op_names) -> str:
