@@ -12,6 +12,8 @@
 - `elementwise`: which instructions compute each element from the same element of their operands;
 - `reductions`: reductions whose partial results combine (full, blockwise, along some dimensions;
   norm and statistics fusions);
+- `reorderings`: instructions that only move elements, and reads of a value through them or in
+  any order;
 - `constants`: the value of a constant operand (`scalar_constant`, `folded_scalar_constant`);
 - `topology_fit`: whether an all-reduce can be rewritten onto a topology's devices
   (`all_reduce_misfit`, `permute_space`).

@@ -74,8 +74,10 @@ from hlo_tools.ir.shape_inference import infer_shape
 from ..analysis.collectives import reducer_opcode, slices_are_contiguous
 from ..analysis.elementwise import elementwise_like, is_scalar_broadcast
 from ..analysis.reachability import operand_connected_components
-from ..analysis.reductions import (REDUCER_IDENTITY, full_reduction_of, is_collapsible_block_reduction,
-                                   is_norm_fusion, is_statistics_fusion, reduces_from_identity)
+from ..analysis.reductions import (full_reduction_of, is_collapsible_block_reduction, is_norm_fusion,
+                                   is_statistics_fusion, reduces_from_identity)
+from ..analysis.reorderings import (is_one_element_constant, moved_dimensions, reduced_in_any_order,
+                                    reordered_chain, reordering, reordering_in_fusion, statistics_broadcasts)
 from ..analysis.replica_groups import DeviceCounts
 from ..analysis.replication_analysis import (REPLICA_IDS, REPLICATION, ReplicationAnalysis, cached_replication_analysis,
                                              participants)
@@ -411,13 +413,13 @@ class _ComputationSharder:
 
         LARS reads the gradient through the transpose (the update, one norm) and also without
         it (optax's safe norm of it). Those reads take the reordered gradient too, which is only
-        correct because all that becomes of them is full reductions (`_reduced_in_any_order`):
+        correct because all that becomes of them is full reductions (`reduced_in_any_order`):
         the same elements, combined in another order. Adafactor's row and column statistics read
         it without the transpose too, reducing some of its dimensions: those reduce the moved
         dimensions of the reordered gradient, the same sums as long as the transpose keeps the
         kept dimensions in order (else the result would need a transpose of its own); and its
         update scales the gradient by the statistics broadcast along its dimensions before the
-        transpose: those broadcasts follow the transpose (`_statistics_broadcasts`). Where a read
+        transpose: those broadcasts follow the transpose (`statistics_broadcasts`). Where a read
         does anything else, nothing is hoisted and the report says why (`self._unhoisted`).
         """
         self._order = {instr: i for i, instr in enumerate(self.comp.post_order())}
@@ -433,7 +435,7 @@ class _ComputationSharder:
             reordered, direct = {}, []
             for value in carriers:
                 for user in value.users:
-                    key = _reordering_in_fusion(user, value)
+                    key = reordering_in_fusion(user, value)
                     if key is not None:
                         reordered[user] = key
                     elif user not in direct and user not in converts:
@@ -1680,72 +1682,6 @@ def _control_flow_entered(user: HloInstruction) -> HloInstruction | None:
     return None
 
 
-def _reordering(instr: HloInstruction):
-    """What an instruction that only moves elements does, as a hashable key: ("transpose",
-    permutation), or ("reshape", dims) for a reshape, or a bitcast that is one (both shapes
-    row-major, where a bitcast reinterprets row-major order); None for anything else."""
-    if instr.opcode == "transpose":
-        return "transpose", tuple(instr.attrs["dimensions"])
-    shapes = [instr.shape, instr.operand(0).shape] if instr.opcode in ("reshape", "bitcast") else []
-    if shapes and all(s.is_array and s.is_row_major for s in shapes):
-        return "reshape", instr.shape.dims
-    return None
-
-
-def _reordered_chain(starts: list[HloInstruction], dims: tuple[int, ...], *, statistics: bool = False):
-    """(the elementwise instructions of shape `dims` that `starts` reach, the reorderings where
-    they end: `_reordering`) when every path from `starts` is such a chain ending in a
-    reordering, and the chain's other operands are scalars (with `statistics`, also broadcasts
-    to `dims` of values from outside the chain: `_statistics_broadcasts`); None otherwise."""
-    chain, ends, work = list(starts), [], list(starts)
-    while work:
-        for user in work.pop().users:
-            if user in chain or user in ends:
-                continue
-            if _reordering(user) is not None:
-                ends.append(user)
-            elif (user.opcode in ELEMENTWISE and user.shape.is_array and user.shape.dims == dims
-                  and not user.is_root and not user.control_predecessors
-                  and all(o in chain or o.shape.rank == 0 or is_scalar_broadcast(o) or _is_one_element_constant(o)
-                          or (statistics and _is_broadcast_to(o, dims)) for o in user.operands)):
-                chain.append(user)
-                work.append(user)
-            else:
-                return None
-    if any(instr.is_root for instr in chain):
-        return None
-    return chain, ends
-
-
-def _is_broadcast_to(instr: HloInstruction, dims: tuple[int, ...]) -> bool:
-    return instr.opcode == "broadcast" and instr.shape.dims == dims and not instr.control_predecessors
-
-
-def _statistics_broadcasts(chain: list[HloInstruction]) -> list[HloInstruction]:
-    """The broadcasts of lower-rank values that the instructions of `chain` read (Adafactor's
-    row and column statistics, broadcast back along the dimensions they span)."""
-    return list(dict.fromkeys(o for instr in chain for o in instr.operands
-                              if o.opcode == "broadcast" and o not in chain and not is_scalar_broadcast(o)))
-
-
-def _moved_dimensions(key) -> dict[int, int] | None:
-    """Where the reordering `key` (`_reordering`) puts each dimension of the value, {old: new},
-    for a transpose; None for a reshape, which keeps no dimensions."""
-    kind, how = key
-    return {old: new for new, old in enumerate(how)} if kind == "transpose" else None
-
-
-def _keeps_order(dimensions, moved: dict[int, int] | None) -> bool:
-    """Whether the increasing `dimensions` are still in increasing order where `moved` puts them:
-    then a broadcast along them, or the result of a reduce that keeps them, needs no transpose."""
-    return moved is not None and all(moved[a] < moved[b] for a, b in zip(dimensions, dimensions[1:]))
-
-
-def _is_one_element_constant(instr: HloInstruction) -> bool:
-    """A constant of one element (`f32[1] constant({1})`), which any reordering leaves as it is."""
-    return instr.opcode == "constant" and instr.shape.is_array and math.prod(instr.shape.dims) == 1
-
-
 def _lift_reshapes(module: HloModule, fusion: HloInstruction, dims: tuple[int, ...]) -> bool:
     """Move row-major reshapes at the edges of a kLoop fusion out of it, when that leaves it
     elementwise at `dims`; return whether it did.
@@ -1766,20 +1702,20 @@ def _lift_reshapes(module: HloModule, fusion: HloInstruction, dims: tuple[int, .
     for parameter in fused.parameters:
         if not parameter.shape.is_array or parameter.shape.dims in (dims, ()):
             continue
-        found = _reordered_chain([parameter], parameter.shape.dims)
-        keys = {_reordering(end) for end in found[1]} if found else set()
+        found = reordered_chain([parameter], parameter.shape.dims)
+        keys = {reordering(end) for end in found[1]} if found else set()
         if len(keys) != 1 or next(iter(keys)) not in (("reshape", dims), ("reshape", ())):
             return False
         lifted[parameter] = found[1][0].shape.with_dtype(parameter.shape.dtype)
     root = fused.root
-    lift_root = (root.shape.dims != dims and _reordering(root) == ("reshape", root.shape.dims)
+    lift_root = (root.shape.dims != dims and reordering(root) == ("reshape", root.shape.dims)
                  and root.operand(0).shape.dims == dims)
     if not lifted and not lift_root:
         return False
-    inside = {i for p in lifted for i in (p, *_reordered_chain([p], p.shape.dims)[0])}
-    inside |= {e for p in lifted for e in _reordered_chain([p], p.shape.dims)[1]} | ({root} if lift_root else set())
+    inside = {i for p in lifted for i in (p, *reordered_chain([p], p.shape.dims)[0])}
+    inside |= {e for p in lifted for e in reordered_chain([p], p.shape.dims)[1]} | ({root} if lift_root else set())
     if any(i.shape.dims not in (dims, ()) for i in fused.instructions if i not in inside and not (
-            (is_scalar_broadcast(i) or _is_one_element_constant(i)) and all(u in inside for u in i.users))):
+            (is_scalar_broadcast(i) or is_one_element_constant(i)) and all(u in inside for u in i.users))):
         return False
     if len(module.callers().get(fused, [])) != 1:
         fusion.attrs["calls"] = module.clone_computation(fused, suffix="lifted")
@@ -1806,36 +1742,16 @@ def _lift_reshapes(module: HloModule, fusion: HloInstruction, dims: tuple[int, .
     return True
 
 
-def _reordering_in_fusion(user: HloInstruction, value: HloInstruction):
-    """The one reordering (`_reordering`) through which the kLoop fusion `user` reads `value`
-    (see `_reordered_chain`), or None. The statistics it broadcasts on the way must stay
-    broadcasts along increasing dimensions once reordered (`_keeps_order`)."""
-    if user.opcode != "fusion" or user.attrs.get("kind") != "kLoop":
-        return None
-    fused = user.attrs["calls"]
-    found = _reordered_chain([fused.parameter(i) for i, o in enumerate(user.operands) if o is value],
-                             value.shape.dims, statistics=True)
-    if found is None or not found[1]:
-        return None
-    keys = {_reordering(end) for end in found[1]}
-    if len(keys) != 1:
-        return None
-    key = keys.pop()
-    if not all(_keeps_order(b.attrs["dimensions"], _moved_dimensions(key)) for b in _statistics_broadcasts(found[0])):
-        return None
-    return key
-
-
 def _hoisting_refusal(values: list[HloInstruction], reordered: dict, direct: list[HloInstruction]) -> str:
     """Why the gradient carried by `values`, read through reorderings by the fusions `reordered`
-    (fusion -> `_reordering`) and without one by `direct`, is not reordered before its all-reduce
-    ("" when it can be: one reordering, and the direct reads only reduce it: `_reduced_in_any_order`)."""
+    (fusion -> `reordering`) and without one by `direct`, is not reordered before its all-reduce
+    ("" when it can be: one reordering, and the direct reads only reduce it: `reduced_in_any_order`)."""
     keys = list(dict.fromkeys(reordered.values()))
     readers = ", ".join(f"%{fusion.name}" for fusion in reordered)
     if len(keys) > 1:
         return (f"; its users read it through different reorderings ({', '.join(map(str, keys))}), so it is not "
                 f"reordered before its all-reduce")
-    carried, _, stop = _reduced_in_any_order(values, direct, values[0].shape.dims, _moved_dimensions(keys[0]))
+    carried, _, stop = reduced_in_any_order(values, direct, values[0].shape.dims, moved_dimensions(keys[0]))
     stop = stop or next((f"%{instr.name} ({instr.opcode}) is the result" for instr in carried if instr.is_root), "")
     if not stop:
         return ""
@@ -1844,68 +1760,18 @@ def _hoisting_refusal(values: list[HloInstruction], reordered: dict, direct: lis
             f"only when the transpose keeps the others in order), so it is not reordered before its all-reduce")
 
 
-def _reduced_in_any_order(values: list[HloInstruction], users: list[HloInstruction], dims: tuple[int, ...],
-                          moved: dict[int, int] | None):
-    """Follow `values` (of shape `dims`) into `users`: (the values that carry them elementwise,
-    starting with `values`; the reductions and fusions where they end; "") when all that becomes of
-    them is reductions with a commutative reducer (`REDUCER_IDENTITY`): full ones, or, when
-    the values are to be transposed (`moved`: `_moved_dimensions`), of some dimensions whose
-    kept ones stay in order (Adafactor's row and column statistics). Reading them in another
-    order then changes only the order in which those reductions combine the same elements (a
-    partial one reducing the moved dimensions). Otherwise the third element says what does
-    something else. A fusion counts by its fused computation; whether a carried value is the
-    result is the caller's question (in a fused computation it makes the fusion carry them)."""
-    position = {instr: n for n, instr in enumerate(values[0].parent.post_order())}
-    carried, ends, work = list(values), [], set(users)
-    while work:
-        user = min(work, key=position.get)  # after its operands: it sees every carried one
-        work.remove(user)
-        if user.control_predecessors:
-            return carried, ends, f"%{user.name} ({user.opcode}) has control dependencies"
-        if (user.opcode == "reduce" and user.operand_count == 2 and user.operand(0) in carried
-                and reducer_opcode(user.attrs["to_apply"]) in REDUCER_IDENTITY and _reduces_alike(user, moved)):
-            ends.append(user)
-        elif (user.opcode in ELEMENTWISE and user.shape.is_array and user.shape.dims == dims
-              and all(o in carried or o.shape.rank == 0 or is_scalar_broadcast(o) or _is_one_element_constant(o)
-                      for o in user.operands)):
-            carried.append(user)
-            work.update(user.users)
-        elif user.opcode == "fusion":
-            fused = user.attrs["calls"]
-            parameters = [fused.parameter(i) for i, o in enumerate(user.operands) if o in carried]
-            inside, _, stop = _reduced_in_any_order(parameters, [u for p in parameters for u in p.users], dims, moved)
-            if stop:
-                return carried, ends, f"{stop} in %{user.name}"
-            if fused.root in inside:
-                carried.append(user)
-                work.update(user.users)
-            else:
-                ends.append(user)
-        else:
-            return carried, ends, f"%{user.name} ({user.opcode}) reads it"
-    return carried, ends, ""
-
-
-def _reduces_alike(reduce: HloInstruction, moved: dict[int, int] | None) -> bool:
-    """Whether `reduce` gives the same result (up to the order it combines elements in) from its
-    operand reordered by the transpose `moved`: it reduces all dimensions, or keeps some that
-    stay in order."""
-    kept = [d for d in range(reduce.operand(0).shape.rank) if d not in reduce.attrs["dimensions"]]
-    return not kept or _keeps_order(kept, moved)
-
-
 def _hoist_reordering(module: HloModule, leaf: "_Leaf", converts: list[HloInstruction], key,
                       direct: list[HloInstruction]) -> None:
     """`all-reduce(x)` read through the reordering `key` (after the `converts` of it, if any)
     becomes `all-reduce(reordered x)` read directly (`_ComputationSharder._hoist_gradient_reorderings`);
     the converts convert the reordered value, and the `direct` users, which only reduce it
-    (`_reduced_in_any_order`), read the reordered value too (`_read_reordered`)."""
+    (`reduced_in_any_order`), read the reordered value too (`_read_reordered`)."""
     comp, all_reduce = leaf.all_reduce.parent, leaf.all_reduce
     source, dims = leaf.operand, leaf.shape.dims
     kind, how = key
     new_dims = [dims[p] for p in how] if kind == "transpose" else how
     shape = _with_layout_like(Shape.array(source.shape.dtype, new_dims), source.shape)
-    carriers, moved = leaf.values + converts, _moved_dimensions(key)
+    carriers, moved = leaf.values + converts, moved_dimensions(key)
     _read_reordered(module, carriers, direct, dims, shape, moved)
     reordered = comp.add_instruction(kind, [source], shape, attrs={"dimensions": how} if kind == "transpose" else None,
                                      name=f"{source.name}.{'transposed' if kind == 'transpose' else 'reshaped'}",
@@ -1971,12 +1837,12 @@ def _convert_at(module: HloModule, convert: HloInstruction, shape: Shape) -> Non
 
 def _read_reordered(module: HloModule, values: list[HloInstruction], users: list[HloInstruction],
                     dims: tuple[int, ...], shape: Shape, moved: dict[int, int] | None) -> None:
-    """`users` of `values` (of shape `dims`), which only reduce them (`_reduced_in_any_order`),
+    """`users` of `values` (of shape `dims`), which only reduce them (`reduced_in_any_order`),
     read them at `shape`, reordered (`moved`, for a transpose): what carries them computes at
     `shape` (fused computations too, cloned when other fusions share them), a full reduction
     reduces all of its dimensions, a partial one the dimensions where `moved` put its own; the
     caller reorders `values`."""
-    carried, ends, _ = _reduced_in_any_order(values, users, dims, moved)
+    carried, ends, _ = reduced_in_any_order(values, users, dims, moved)
     elementwise = [instr for instr in carried if instr not in values and instr.opcode != "fusion"]
     if elementwise:
         _retype_chain(elementwise[0].parent, elementwise, dims, shape)
@@ -2001,11 +1867,11 @@ def _read_reordered(module: HloModule, values: list[HloInstruction], users: list
 
 def _reorder_first(fused: HloComputation, starts: list[HloInstruction], dims: tuple[int, ...], shape: Shape,
                    moved: dict[int, int] | None = None) -> None:
-    """Inside `fused`: the chain from `starts` at `dims` to its reorderings (`_reordered_chain`)
+    """Inside `fused`: the chain from `starts` at `dims` to its reorderings (`reordered_chain`)
     computes at `shape`, the reordered shape (its statistics broadcast along the dimensions
     where the transpose `moved` puts theirs), and the reorderings go; the caller reorders what
     `starts` receive."""
-    chain, ends = _reordered_chain(starts, dims, statistics=moved is not None)
+    chain, ends = reordered_chain(starts, dims, statistics=moved is not None)
     _retype_chain(fused, chain, dims, shape, moved)
     for end in ends:
         end.replace_all_uses_with(end.operand(0))
@@ -2017,7 +1883,7 @@ def _retype_chain(comp: HloComputation, chain: list[HloInstruction], dims: tuple
     """The elementwise instructions `chain` of `comp` compute at `shape` instead of `dims`, with
     their one-element constants, scalar broadcasts, and statistics broadcasts (along the
     dimensions where the transpose `moved` puts theirs)."""
-    for operand in _statistics_broadcasts(chain):
+    for operand in statistics_broadcasts(chain):
         along = tuple(moved[d] for d in operand.attrs["dimensions"])
         if all(u in chain for u in operand.users):
             operand.attrs["dimensions"] = along
@@ -2029,7 +1895,7 @@ def _retype_chain(comp: HloComputation, chain: list[HloInstruction], dims: tuple
                 user.replace_operand_with(operand, replacement)
     for instr in chain:
         for operand in instr.operands:
-            if _is_one_element_constant(operand) and operand.shape.rank and operand not in chain:
+            if is_one_element_constant(operand) and operand.shape.rank and operand not in chain:
                 value = operand.literal.to_numpy().reshape(shape.dims)
                 instr.replace_operand_with(operand, comp.add_instruction(
                     "constant", [], shape.with_dtype(operand.shape.dtype), literal=Literal.from_numpy(value),
