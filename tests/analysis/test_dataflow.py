@@ -11,6 +11,7 @@ from xla_passes import PassContext
 from xla_passes.analysis.dataflow import ForwardDataflow, ForwardLattice
 from xla_passes.analysis.replication_analysis import (DEVICE_IDS, REPLICA_IDS, ReplicationAnalysis,
                                                       cached_replication_analysis)
+from xla_passes.passes import weight_update_sharding
 from xla_passes.registry import pass_class
 
 
@@ -461,3 +462,32 @@ ENTRY e {
     assert cached_replication_analysis(context, module.entry, [list(range(8))], REPLICA_IDS) is first
     context.invalidate()
     assert cached_replication_analysis(context, module.entry, [list(range(8))], REPLICA_IDS) is not first
+
+
+def test_a_pass_that_rewrites_between_questions_leaves_no_replication_analysis_of_what_was(monkeypatch):
+    """weight-update-sharding asks the context's replication analyses and rewrites the computation
+    it asked about: it forgets them (`PassContext.forget`), and only them."""
+    module = hlo_tools.parse_module(REPLICAS + REDUCER + """
+ENTRY step {
+  w = f32[64,16] parameter(0), parameter_replication={true}
+  grad = f32[64,16] parameter(1)
+  sum = f32[64,16] all-reduce(grad), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=add
+  lr = f32[] constant(0.1)
+  lrs = f32[64,16] broadcast(lr), dimensions={}
+  step = f32[64,16] multiply(sum, lrs)
+  ROOT w1 = f32[64,16] subtract(w, step)
+}
+""")
+    asked = []
+
+    def asking(*args, **kwargs):
+        asked.append(cached_replication_analysis(*args, **kwargs))
+        return asked[-1]
+
+    monkeypatch.setattr(weight_update_sharding, "cached_replication_analysis", asking)
+    context = PassContext()
+    other = context.analysis(("another-kind",), object)
+    assert pass_class("weight-update-sharding")(threshold_bytes=256).run(module, context)
+    assert any(i.opcode == "reduce-scatter" for i in module.entry.instructions)
+    assert asked and cached_replication_analysis(context, module.entry, [list(range(8))], REPLICA_IDS) not in asked
+    assert context.analysis(("another-kind",), object) is other
