@@ -357,8 +357,11 @@ def test_termination_stops_the_worker_and_removes_temporary_files(files, tmp_pat
     private_tmp.mkdir()
     env = dict(os.environ, TMPDIR=str(private_tmp))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    # The command starts with the signal at its default even where this suite runs with it ignored
+    # (under nohup, say): a child keeps an ignored signal ignored, as a command should.
     proc = subprocess.Popen([sys.executable, "-m", "hlo_tools", "run", "endless.hlo"], cwd=files,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(getattr(signal, signum), signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while not any((d / "status").exists() and (d / "status").read_text().startswith("running")
                   for d in private_tmp.iterdir()):
