@@ -406,7 +406,7 @@ class DistributedBatchNorm(HloPass):
         self._kept_means: dict[tuple, HloInstruction] = {}
         statistics: list[_Statistic] = []
         # a mean passed on in a tuple beside examples counts as flowing back
-        reaching = BackwardDataflow(_ReachesExamples(lambda instr: not _none(info.get(instr))), comp)
+        reaching = BackwardDataflow(_ReachesExamples(lambda user, _: not _none(info.get(user))), comp)
         for instr in comp.instructions:
             if instr.opcode == "reduce":
                 stat = self._statistic(instr, info, reaching)
@@ -561,7 +561,7 @@ class DistributedBatchNorm(HloPass):
         In a pmap step (`per_device`) every value leaving the groups is returned: each device keeps
         its own, which `_check_means` proves is its group's value."""
         seeds = {s.value: (1 if s.backward else 0) for s in synchronized}
-        reaching = BackwardDataflow(_ReachesExamples(lambda instr: _per_example(instr, info)), comp)
+        reaching = BackwardDataflow(_ReachesExamples(lambda user, _: _per_example(user, info)), comp)
 
         linear: dict[HloInstruction, int | None] = dict(seeds)   # the varying values: how they are linear
         leaving = []
@@ -1708,19 +1708,12 @@ def _combined_linearity(instr: HloInstruction, ins: list) -> int | None:
 def _ways_back(value: HloInstruction, reads) -> set[HloInstruction]:
     """The values without a batch dimension on a way from `value` into a per-example value;
     `reads(user, operand)`: whether `user` reads `operand` into the examples."""
-    leads: dict[HloInstruction, bool] = {}
-
-    def leads_back(instr: HloInstruction) -> bool:
-        if instr not in leads:
-            leads[instr] = False   # no cycles in HLO; this stops a revisit
-            leads[instr] = any(reads(u, instr) or leads_back(u) for u in instr.users)
-        return leads[instr]
-
+    leads_back = BackwardDataflow(_ReachesExamples(reads), value.parent)
     found, stack = set(), [value]
     while stack:
         current = stack.pop()
         for user in current.users:
-            if user not in found and not reads(user, current) and leads_back(user):
+            if user not in found and not reads(user, current) and leads_back.value(user):
                 found.add(user)
                 stack.append(user)
     return found
@@ -1782,10 +1775,10 @@ def _over_single_devices(all_reduce: HloInstruction) -> bool:
 
 class _ReachesExamples(BackwardLattice):
     """Whether something computed from a value flows back into the examples: reaches an instruction
-    that `holds_examples`."""
+    that reads its operand into them, `reads_into_examples(user, operand)`."""
 
-    def __init__(self, holds_examples):
-        self.holds_examples = holds_examples
+    def __init__(self, reads_into_examples):
+        self.reads_into_examples = reads_into_examples
 
     def join(self, a, b):
         return a or b
@@ -1794,7 +1787,7 @@ class _ReachesExamples(BackwardLattice):
         return False
 
     def transfer(self, user: HloInstruction, operand_number: int, user_state):
-        return user_state or self.holds_examples(user)
+        return user_state or bool(self.reads_into_examples(user, user.operand(operand_number)))
 
 
 class _Twins:
@@ -1820,7 +1813,7 @@ class _Twins:
         """Whether something computed from `value` (in the inlined entry) is per example; the output
         tuple only passes its elements on."""
         if self._reaching_info is not info:
-            reaching = BackwardDataflow(_ReachesExamples(lambda instr: _per_example(instr, info)), value.parent)
+            reaching = BackwardDataflow(_ReachesExamples(lambda user, _: _per_example(user, info)), value.parent)
             self._reaching, self._reaching_info = reaching, info
         return self._reaching.value(value)
 
