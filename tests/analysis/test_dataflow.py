@@ -2,13 +2,14 @@
 
 The engine's tests use a lattice whose state is the set of entry parameters a value is computed
 from: tuples, calls, loops and conditionals show in which parameters each leaf ends up reading.
+The backward engine's tests use a lattice whose state is the set of outputs a value ends up in.
 The replication tests check what the engine adds to the analysis that answered before it: loops,
 conditionals and calls are followed leaf by leaf, so that what a device-dependent body computes
 from its operands alone, or a loop counter, is known to be the same on every device.
 """
 import hlo_tools
 from xla_passes import PassContext
-from xla_passes.analysis.dataflow import ForwardDataflow, ForwardLattice
+from xla_passes.analysis.dataflow import BackwardDataflow, BackwardLattice, ForwardDataflow, ForwardLattice
 from xla_passes.analysis.replication_analysis import (DEVICE_IDS, REPLICA_IDS, ReplicationAnalysis,
                                                       cached_replication_analysis)
 from xla_passes.passes import weight_update_sharding
@@ -223,6 +224,60 @@ def test_fusion_bodies_are_followed_only_for_clients_that_ask():
 
 
 # -- the replication analysis on the engine -----------------------------------------------------------
+
+class EndsInOutputs(BackwardLattice):
+    """Which elements of the root tuple a value is computed into (a frozenset of numbers)."""
+
+    def join(self, a, b):
+        return a | b
+
+    def unused(self, instr):
+        return frozenset()
+
+    def transfer(self, user, operand_number, user_state):
+        return frozenset({operand_number}) if user is user.parent.root else user_state
+
+
+def test_a_value_ends_where_each_of_its_users_ends():
+    """Users come before the values they read: every way to the root counts, and a value read
+    twice by one user is read as each of those operands."""
+    module = hlo_tools.parse_module("""
+HloModule m
+ENTRY e {
+  a = f32[2] parameter(0)
+  b = f32[2] parameter(1)
+  n = f32[2] negate(a)
+  s = f32[2] add(n, b)
+  d = f32[2] multiply(b, b)
+  unused = f32[2] abs(a)
+  ROOT t = (f32[2], f32[2], f32[2]) tuple(n, s, d)
+}
+""")
+    flow = BackwardDataflow(EndsInOutputs(), module.entry)
+    ends = {name: flow.value(module.entry.get(name)) for name in ("a", "b", "n", "s", "d", "unused")}
+    assert ends == {"a": reads(0, 1), "b": reads(1, 2), "n": reads(0, 1), "s": reads(1), "d": reads(2),
+                    "unused": reads()}
+
+
+def test_the_backward_engine_leaves_called_computations_to_the_client():
+    """A call is a user like any other: what it makes of its operand is the client's `transfer`."""
+    module = hlo_tools.parse_module("""
+HloModule m
+f {
+  x = f32[2] parameter(0)
+  ROOT y = f32[2] negate(x)
+}
+ENTRY e {
+  a = f32[2] parameter(0)
+  c = f32[2] call(a), to_apply=f
+  ROOT t = (f32[2], f32[2]) tuple(a, c)
+}
+""")
+    flow = BackwardDataflow(EndsInOutputs(), module.entry)
+    assert flow.value(module.entry.get("a")) == reads(0, 1)
+    assert flow.value(module.entry.get("c")) == reads(1)
+    assert flow.comp is module.entry
+
 
 REPLICAS = "HloModule m, replica_count=8\n"
 REDUCER = """

@@ -23,6 +23,11 @@ states): the precision that XLA gets by flattening the call graph first, without
 anything. `value(instr)` of an instruction in a called computation is the join over the
 contexts it was analysed in.
 
+`BackwardDataflow` goes the other way, from a value's users back to the value, within one
+computation: what a client (a `BackwardLattice`) asks there is what becomes of a value, such as
+whether something computed from it is per example. HLO has no cycles, so one walk in reverse post
+order, users before the values they read, gives every state.
+
 An analysis built on it is computed once per pass run while the module stays as it is in the
 run's `PassContext.analysis`, this project's AnalysisManager: under a kind of its own, which a
 pass that keeps it valid names in `HloPass.preserves` (`replication_analysis.REPLICATION`).
@@ -137,3 +142,41 @@ class ForwardDataflow:
             root = self._run(branch, (operand,))
             result = root if result is None else self.join(result, root)
         return self.lattice.through_control(result, operands[0])
+
+
+class BackwardLattice:
+    """What a client of `BackwardDataflow` tracks: what a value's users make of it (hashable states)."""
+
+    def join(self, a, b):
+        """The least state that holds both states."""
+        raise NotImplementedError
+
+    def unused(self, instr: HloInstruction):
+        """The state of `instr`'s value before any of its users is counted (one no user reads)."""
+        raise NotImplementedError
+
+    def transfer(self, user: HloInstruction, operand_number: int, user_state):
+        """What `user`, whose own value has `user_state`, makes of its operand `operand_number`."""
+        raise NotImplementedError
+
+
+class BackwardDataflow:
+    """The states of every value of `comp`, from its users back. Values are whole (a tuple's state is
+    one leaf state) and called computations are not entered: a call, a loop or a fusion is a user
+    like any other, for the client's `transfer` to read."""
+
+    def __init__(self, lattice: BackwardLattice, comp: HloComputation):
+        self.lattice = lattice
+        self.comp = comp
+        self._values: dict[HloInstruction, object] = {}
+        for instr in reversed(comp.post_order()):
+            state = lattice.unused(instr)
+            for user in instr.users:
+                for number, operand in enumerate(user.operands):
+                    if operand is instr:
+                        state = lattice.join(state, lattice.transfer(user, number, self._values[user]))
+            self._values[instr] = state
+
+    def value(self, instr: HloInstruction):
+        """The state of `instr`'s value."""
+        return self._values[instr]

@@ -89,7 +89,7 @@ from hlo_tools.ir.shape import FLOAT_DTYPES
 
 from ..analysis.collectives import reducer_opcode
 from ..analysis.constants import UNIT_SHAPE_OPS, folded_scalar_constant
-from ..analysis.dataflow import ForwardDataflow, ForwardLattice
+from ..analysis.dataflow import BackwardDataflow, BackwardLattice, ForwardDataflow, ForwardLattice
 from ..core import HloPass, register_pass, restore
 from ..rewrites.channel_ids import ChannelIds
 from ..rewrites.cse import eliminate_common_subexpressions
@@ -405,9 +405,11 @@ class DistributedBatchNorm(HloPass):
             raise Refusal("the groups are not all of the same size")
         self._kept_means: dict[tuple, HloInstruction] = {}
         statistics: list[_Statistic] = []
+        # a mean passed on in a tuple beside examples counts as flowing back
+        reaching = BackwardDataflow(_ReachesExamples(lambda user, _: not _none(info.get(user))), comp)
         for instr in comp.instructions:
             if instr.opcode == "reduce":
-                stat = self._statistic(instr, info)
+                stat = self._statistic(instr, info, reaching)
                 if stat is not None:
                     statistics.append(stat)
         lost = [i for i in comp.instructions if i.opcode == "reduce" and info.get(i.operand(0)) == OPAQUE]
@@ -559,13 +561,7 @@ class DistributedBatchNorm(HloPass):
         In a pmap step (`per_device`) every value leaving the groups is returned: each device keeps
         its own, which `_check_means` proves is its group's value."""
         seeds = {s.value: (1 if s.backward else 0) for s in synchronized}
-        back: dict[HloInstruction, bool] = {}
-
-        def flows_back(instr: HloInstruction) -> bool:
-            if instr not in back:
-                back[instr] = False   # HLO has no cycles
-                back[instr] = _per_example(instr, info) or any(flows_back(u) for u in instr.users)
-            return back[instr]
+        reaching = BackwardDataflow(_ReachesExamples(lambda user, _: _per_example(user, info)), comp)
 
         linear: dict[HloInstruction, int | None] = dict(seeds)   # the varying values: how they are linear
         leaving = []
@@ -577,7 +573,7 @@ class DistributedBatchNorm(HloPass):
             if not any(o in linear for o in instr.operands):
                 continue
             found = _combined_linearity(instr, ins)
-            if found is None and not flows_back(instr):
+            if found is None and not _per_example(instr, info) and not reaching.value(instr):
                 varying = [o for o in instr.operands if o in linear]
                 if per_device:
                     leaving += [("edge", o, instr) for o in dict.fromkeys(varying)]
@@ -610,8 +606,9 @@ class DistributedBatchNorm(HloPass):
         return (isinstance(groups, ReplicaGroups) and bool(groups.groups)
                 and all(any(line <= set(g) for line in self._axis) for g in groups.groups))
 
-    def _statistic(self, reduce: HloInstruction, info: dict) -> _Statistic | None:
-        """The statistic `reduce` computes, or None (with a report line when it sums over the batch)."""
+    def _statistic(self, reduce: HloInstruction, info: dict, reaching: BackwardDataflow) -> _Statistic | None:
+        """The statistic `reduce` computes, or None (with a report line when it sums over the batch);
+        `reaching`: which values flow back into the examples."""
         if reduce.operand_count != 2 or reduce.shape.is_tuple:
             return None
         operand = reduce.operand(0)
@@ -649,7 +646,7 @@ class DistributedBatchNorm(HloPass):
             self.report.append(f"{name}: kept: a mean over every dimension (a loss or a global value, "
                                f"not a per-feature statistic)")
             return None
-        if not _flows_back(divide, info):
+        if not reaching.value(divide):
             self._kept_means[signature] = reduce
             self.report.append(f"{name}: kept: its mean does not flow back into the examples (not a "
                                f"normalisation statistic)")
@@ -1711,19 +1708,12 @@ def _combined_linearity(instr: HloInstruction, ins: list) -> int | None:
 def _ways_back(value: HloInstruction, reads) -> set[HloInstruction]:
     """The values without a batch dimension on a way from `value` into a per-example value;
     `reads(user, operand)`: whether `user` reads `operand` into the examples."""
-    leads: dict[HloInstruction, bool] = {}
-
-    def leads_back(instr: HloInstruction) -> bool:
-        if instr not in leads:
-            leads[instr] = False   # no cycles in HLO; this stops a revisit
-            leads[instr] = any(reads(u, instr) or leads_back(u) for u in instr.users)
-        return leads[instr]
-
+    leads_back = BackwardDataflow(_ReachesExamples(reads), value.parent)
     found, stack = set(), [value]
     while stack:
         current = stack.pop()
         for user in current.users:
-            if user not in found and not reads(user, current) and leads_back(user):
+            if user not in found and not reads(user, current) and leads_back.value(user):
                 found.add(user)
                 stack.append(user)
     return found
@@ -1783,19 +1773,21 @@ def _over_single_devices(all_reduce: HloInstruction) -> bool:
     return isinstance(groups, ReplicaGroups) and bool(groups.groups) and all(len(g) == 1 for g in groups.groups)
 
 
-def _flows_back(mean: HloInstruction, info: dict) -> bool:
-    """Whether `mean`, through values with no batch dimension, reaches an operand of a per-example value."""
-    seen, stack = set(), [mean]
-    while stack:
-        value = stack.pop()
-        for user in value.users:
-            if user in seen:
-                continue
-            seen.add(user)
-            if not _none(info.get(user)):
-                return True
-            stack.append(user)
-    return False
+class _ReachesExamples(BackwardLattice):
+    """Whether something computed from a value flows back into the examples: reaches an instruction
+    that reads its operand into them, `reads_into_examples(user, operand)`."""
+
+    def __init__(self, reads_into_examples):
+        self.reads_into_examples = reads_into_examples
+
+    def join(self, a, b):
+        return a or b
+
+    def unused(self, instr: HloInstruction):
+        return False
+
+    def transfer(self, user: HloInstruction, operand_number: int, user_state):
+        return user_state or bool(self.reads_into_examples(user, user.operand(operand_number)))
 
 
 class _Twins:
@@ -1812,7 +1804,7 @@ class _Twins:
             return instr
         self._twin = {origin: resolved(instr) for instr, origin in origins.items()}
         self._twin.update({(None, name): resolved(instr) for name, instr in between.items()})
-        self._reaching: dict[HloInstruction, bool] = {}
+        self._reaching: BackwardDataflow | None = None
         self._reaching_info: dict | None = None
         self._copies: dict[HloInstruction, list] = {}   # inlined instruction -> its (fusion, copy) in the fused entry
         self._copies_of: HloComputation | None = None
@@ -1821,11 +1813,9 @@ class _Twins:
         """Whether something computed from `value` (in the inlined entry) is per example; the output
         tuple only passes its elements on."""
         if self._reaching_info is not info:
-            reaching: dict[HloInstruction, bool] = {}
-            for instr in reversed(value.parent.post_order()):
-                reaching[instr] = any(_per_example(u, info) or reaching.get(u, False) for u in instr.users)
+            reaching = BackwardDataflow(_ReachesExamples(lambda user, _: _per_example(user, info)), value.parent)
             self._reaching, self._reaching_info = reaching, info
-        return self._reaching.get(value, True)
+        return self._reaching.value(value)
 
     def of(self, fusion: HloInstruction | None, instr: HloInstruction) -> HloInstruction | None:
         """The inlined twin of `instr`, an instruction of `fusion`'s computation (None: of the entry)."""
