@@ -697,10 +697,13 @@ def compiled_module_text(compiled) -> str:
     return hook_module_text(module.as_serialized_hlo_module_proto())
 
 
-def kept_argument_positions(compiled) -> list[int] | None:
-    """The positions, among a jitted function's flattened arguments, of those the compiled
-    program takes (JAX drops arguments it does not use); None where jax does not say."""
-    kept = getattr(getattr(compiled, "_executable", None), "_kept_var_idx", None)
+def kept_argument_positions(program) -> list[int] | None:
+    """The positions, among a jitted function's flattened arguments, of those the program (a
+    `Compiled`, or a `Lowered`: its module's parameters) takes (JAX drops arguments it does not
+    use); None where jax does not say."""
+    kept = getattr(getattr(program, "_executable", None), "_kept_var_idx", None)
+    if kept is None:
+        kept = getattr(getattr(program, "_lowering", None), "compile_args", {}).get("kept_var_idx")
     return sorted(kept) if kept is not None else None
 
 

@@ -375,8 +375,11 @@ def run_offline(case: StepCase) -> OfflineResult:
     """Lower the step to HLO before XLA's optimizations, rewrite it, run both on the same
     global inputs (pmap's weights and state: one equal copy per device)."""
     args = _step_arguments(case)
-    text = _compiled_step(case).lower(*args).compiler_ir("hlo").as_hlo_text()
+    lowered = _compiled_step(case).lower(*args)
+    text = lowered.compiler_ir("hlo").as_hlo_text()
     inputs = _leaves(args)
+    kept = xla_bridge.kept_argument_positions(lowered)   # pmap drops unused ones (Adafactor's dummy states)
+    inputs = inputs if kept is None else [inputs[position] for position in kept]
     module = hlo_tools.parse_module(text)
     if len(module.entry.parameters) != len(inputs):
         raise AssertionError(f"the lowered step takes {len(module.entry.parameters)} parameters, "

@@ -157,6 +157,14 @@ def test_mixed_precision_lowered_pmap_step_offline():
     assert result.comparison_ok
 
 
+def test_lowered_pmap_step_whose_unused_arguments_jax_drops_offline():
+    """A pmap step drops the arguments it does not use (Adafactor's placeholder factored states of
+    a vector weight): the inputs go to the parameters the lowered module kept (hypothesis's find)."""
+    result = WORKER.run(run_offline, StepCase("pmap", "adafactor", "float32", (Weight((256,), "scaled"),), False, 0,
+                                              "float32", "none"))
+    assert result.comparison_ok, result.comparison
+
+
 def test_conv_kernel_at_the_flag():
     """The bug that layouts_final fixed: XLA lays this kernel's gradient out as {3,1,0,2}, and
     the pass scattered it along dimension 2, which XLA did in contiguous chunks of the buffer."""
