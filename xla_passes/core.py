@@ -84,13 +84,16 @@ class PassContext:
     def forget(self, kind: Hashable) -> None:
         """Forget the cached analyses of one kind: a pass that rewrites between its questions
         asks again after a rewrite, and leaves no answer about the module as it was."""
-        self._analyses = {key: value for key, value in self._analyses.items()
-                          if (key[0] if isinstance(key, tuple) else key) != kind}
+        self._analyses = {key: value for key, value in self._analyses.items() if _kind(key) != kind}
 
     def invalidate(self, keep: Collection[Hashable] = ()) -> None:
         """Forget every cached analysis but those whose kind (`key[0]`, or the key) is in `keep`."""
-        self._analyses = {key: value for key, value in self._analyses.items()
-                          if (key[0] if isinstance(key, tuple) else key) in keep}
+        self._analyses = {key: value for key, value in self._analyses.items() if _kind(key) in keep}
+
+
+def _kind(key: Hashable) -> Hashable:
+    """The kind of a cached analysis: its key's first element (`("replication", ...)`), or the key."""
+    return key[0] if isinstance(key, tuple) else key
 
 
 @dataclasses.dataclass(frozen=True)

@@ -561,7 +561,7 @@ class DistributedBatchNorm(HloPass):
         In a pmap step (`per_device`) every value leaving the groups is returned: each device keeps
         its own, which `_check_means` proves is its group's value."""
         seeds = {s.value: (1 if s.backward else 0) for s in synchronized}
-        reaching = BackwardDataflow(_ReachesExamples(lambda user, _: _per_example(user, info)), comp)
+        reaching = _reaching_examples(comp, info)
 
         linear: dict[HloInstruction, int | None] = dict(seeds)   # the varying values: how they are linear
         leaving = []
@@ -1773,6 +1773,12 @@ def _over_single_devices(all_reduce: HloInstruction) -> bool:
     return isinstance(groups, ReplicaGroups) and bool(groups.groups) and all(len(g) == 1 for g in groups.groups)
 
 
+def _reaching_examples(comp: HloComputation, info: dict) -> BackwardDataflow:
+    """Which values of `comp` something per example is computed from (the output tuple only passes
+    its elements on)."""
+    return BackwardDataflow(_ReachesExamples(lambda user, _: _per_example(user, info)), comp)
+
+
 class _ReachesExamples(BackwardLattice):
     """Whether something computed from a value flows back into the examples: reaches an instruction
     that reads its operand into them, `reads_into_examples(user, operand)`."""
@@ -1813,7 +1819,7 @@ class _Twins:
         """Whether something computed from `value` (in the inlined entry) is per example; the output
         tuple only passes its elements on."""
         if self._reaching_info is not info:
-            reaching = BackwardDataflow(_ReachesExamples(lambda user, _: _per_example(user, info)), value.parent)
+            reaching = _reaching_examples(value.parent, info)
             self._reaching, self._reaching_info = reaching, info
         return self._reaching.value(value)
 
