@@ -62,13 +62,14 @@ class PassContext:
     """What a pipeline run hands every pass besides the module, in place of options set on pass objects.
 
     combiner_thresholds: (bytes, operand count) a combiner uses where its own options are unset:
-      XLA's on the platform the JAX hook compiles for (`Pipeline(platform=...)`); None: the
-      offline defaults (`xla_passes.analysis.collectives.combiner_thresholds`).
+      the platform's that the JAX hook compiles for (`Pipeline(platform=...)`,
+      `xla_passes.analysis.collectives.PLATFORM_THRESHOLDS`; bytes None: the largest collective
+      of the kind present); None: the offline defaults (`collectives.combiner_thresholds`).
     layouts_final: the module's layouts are XLA's final ones (JAX's hook; see `Pipeline`).
     platform: the platform compiled for, None offline.
     """
 
-    combiner_thresholds: tuple[int, int] | None = None
+    combiner_thresholds: tuple[int | None, int] | None = None
     layouts_final: bool = False
     platform: str | None = None
     _analyses: dict = dataclasses.field(default_factory=dict, init=False, repr=False)

@@ -5,6 +5,8 @@ Replica programs get the same value of every parameter declared replicated on ev
 product with k may differ in the last bit, so float results are compared within 1e-6 and
 integer results exactly.
 """
+import pathlib
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -12,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import hlo_tools
 import xla_passes
 from pass_testing import run_and_compare
+from hlo_tools.xla import runner
 from xla_passes.validation import check_inputs
 
 REDUCERS = """
@@ -148,3 +151,24 @@ def test_shard_map_step_before_xla_optimizations():
     module = run_and_compare(text, "all-reduce-simplifier", exact=False, abs_error_bound=1e-6,
                              rel_error_bound=1e-6)
     assert count(module, "all-reduce") == 1 and count(module, "divide") == 0
+
+
+def test_at_the_hook_a_fusion_that_reads_the_product_computes_it():
+    """After XLA's fusion: the update fusion reads the all-reduce's operand, its mean's 1/8 gone;
+    the square fusion multiplies its operand by 8 in its own body; the tuple keeps the product's
+    kLoop fusion; and every result is what the two all-reduces gave (on 8 partitions, the module
+    as the JAX hook hands it over; a sum of 8 equal values and their product with 8 may differ in
+    the last bit)."""
+    text = (pathlib.Path(__file__).parent / "all_reduce_simplifier_hook.hlo").read_text()
+    module = hlo_tools.parse_module(text)
+    assert xla_passes.run_passes(module, "all-reduce-simplifier", layouts_final=True)
+    local = module.entry.get("local")
+    update, square = module.entry.get("update"), module.entry.get("square")
+    assert update.operand(1) is square.operand(0) is local
+    assert [i.opcode for i in update.attrs["calls"].parameter(1).users] == ["subtract"]
+    assert [i.opcode for i in square.attrs["calls"].parameter(0).users] == ["multiply"]
+    assert module.entry.root.operand(2).opcode == "fusion"
+    result, reference, comparison = runner.compare_modules(module.to_text(), text, num_partitions=8,
+                                                           reference_num_partitions=8, abs_error_bound=1e-6,
+                                                           rel_error_bound=1e-6)
+    assert comparison.ok, comparison.format()

@@ -165,7 +165,8 @@ def test_pipeline_text_builds_each_combiner_with_its_options():
         xla_passes.parse_pipeline("all-reduce-combiner{combine_by_dim=true}")
 
 
-@pytest.mark.parametrize("platform, threshold_bytes", [("cpu", 2**63 - 1), ("cuda", 30 << 20), ("tpu", 30 << 20)])
+@pytest.mark.parametrize("platform, threshold_bytes", [("cpu", collectives.LARGEST_PRESENT), ("cuda", 30 << 20),
+                                                       ("tpu", 30 << 20)])
 def test_platform_thresholds_fill_in_only_what_is_unset(platform, threshold_bytes):
     """What the JAX hook does with the platform it compiles for: XLA's thresholds there, unless
     the pipeline gives its own. The platform's come in the run's `PassContext`; no option of a
@@ -194,13 +195,14 @@ def test_the_pipeline_hands_the_platform_thresholds_to_the_combiners():
     module = hlo_tools.parse_module(PER_DEVICE)
     xla_passes.Pipeline([Spy()], platform="cpu").run(module)
     xla_passes.Pipeline([Spy()]).run(module)
-    assert seen == [(2**63 - 1, 256), None]   # None offline: the combiners' defaults (GPU's)
+    assert seen == [(collectives.LARGEST_PRESENT, 256), None]   # None offline: the combiners' defaults (GPU's)
 
 
-@pytest.mark.parametrize("platform, combined", [("cpu", 1), ("cuda", 4)])
-def test_94_mb_of_gradients_combine_as_xla_does_on_the_platform(platform, combined):
-    """ResNet50-sized gradients (10 of 9.4 MB): one all-reduce with XLA's CPU thresholds, groups
-    of three under GPU's 30 MiB."""
+@pytest.mark.parametrize("platform, combined", [("cpu", 10), ("cuda", 4)])
+def test_94_mb_of_gradients_combine_as_the_platform_affords(platform, combined):
+    """ResNet50-sized gradients (10 of 9.4 MB): on CPU, whose all-reduce writes out of place, a
+    group may hold no more than the largest one alone (none combine: two would hold 18.8 MB of
+    sums at once); groups of three under GPU's 30 MiB."""
     names = [f"g{k}" for k in range(10)]
     lines = [f"{name} = f32[2457600] parameter({k})" for k, name in enumerate(names)]
     lines += [f"r{name} = f32[2457600] all-reduce({name}), replica_groups={{}}, to_apply=add" for name in names]
@@ -209,6 +211,25 @@ def test_94_mb_of_gradients_combine_as_xla_does_on_the_platform(platform, combin
                                     + "\nENTRY main {\n  " + "\n  ".join(lines) + "\n}\n")
     xla_passes.run_passes(module, "collective-fusion", platform=platform)
     assert counts(module)["all-reduce"] == combined
+
+
+def test_on_cpu_all_reduces_combine_up_to_the_largest():
+    """A 2 MiB, five 512 KiB and a 1 MiB all-reduce on CPU: the others fill groups of at most
+    2 MiB, the largest's size (bytes of results, in post order); below 1 MiB all would combine."""
+    sizes = [1 << 19, 1 << 17, 1 << 17, 1 << 17, 1 << 17, 1 << 17, 1 << 18]
+    lines = [f"p{k} = f32[{size}] parameter({k})" for k, size in enumerate(sizes)]
+    lines += [f"r{k} = f32[{size}] all-reduce(p{k}), replica_groups={{}}, to_apply=add" for k, size in enumerate(sizes)]
+    lines.append(f"ROOT t = ({', '.join(f'f32[{size}]' for size in sizes)}) "
+                 f"tuple({', '.join(f'r{k}' for k in range(len(sizes)))})")
+    text = "HloModule sizes, replica_count=8\n" + REDUCERS + "\nENTRY main {\n  " + "\n  ".join(lines) + "\n}\n"
+    module = hlo_tools.parse_module(text)
+    xla_passes.run_passes(module, "collective-fusion", platform="cpu")
+    assert sorted(instr.shape.byte_size for instr in module.instructions() if instr.opcode == "all-reduce") == [
+        3 << 19, 1 << 21, 1 << 21]
+    small = hlo_tools.parse_module(text.replace(f"{1 << 19}]", "1024]").replace(f"{1 << 17}]", "256]")
+                                   .replace(f"{1 << 18}]", "512]"))
+    xla_passes.run_passes(small, "collective-fusion", platform="cpu")
+    assert counts(small)["all-reduce"] == 1
 
 
 # -- keys --------------------------------------------------------------------------------------------------

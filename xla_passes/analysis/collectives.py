@@ -192,26 +192,38 @@ def collective_key(instr: HloInstruction, *, by_dimension: bool = True) -> tuple
 
 # -- thresholds ----------------------------------------------------------------------------------------
 
-# XLA's combiner thresholds (bytes, operand count) on each platform:
-# * cpu: no byte limit, 256 operands: `CpuAllReduceCombiner(kCombineBytes, kCombineCount)` with
-#   `kCombineBytes = std::numeric_limits<int64_t>::max()`, `kCombineCount = 256`
-#   (xla/service/cpu/cpu_compiler.cc, RunHloPassesAfterLayoutAssn; XLA's CPU pipeline has no
-#   all-gather or reduce-scatter combiner, ours use the same limits there);
+# The combiners' thresholds (bytes, operand count) on each platform:
+# * cpu: no more bytes than the largest collective of the kind the computation already has, or
+#   1 MiB where all are smaller (`LARGEST_PRESENT`, `SMALL_BYTES`), 256 operands. XLA's own CPU limits are no byte limit and 256 operands
+#   (`CpuAllReduceCombiner(kCombineBytes, kCombineCount)`, `kCombineBytes =
+#   std::numeric_limits<int64_t>::max()`, xla/service/cpu/cpu_compiler.cc), but its combiner rarely
+#   finds independent all-reduces at the hook, and ours does (after `all-reduce-simplifier`): an
+#   XLA:CPU collective writes its results out of place, so one op of every gradient holds every
+#   sum at once beside every gradient, 1.67x the temporary memory of a shard_map step's separate
+#   all-reduces (docs/benchmarks.md). Groups no bigger than the largest op hold no more at once
+#   than that op did, and still cut the count of small ops, which is where a collective's fixed
+#   cost shows; below a megabyte the memory is not worth keeping ops apart for. XLA's CPU pipeline has no all-gather or reduce-scatter combiner; ours use the same
+#   limits there.
 # * cuda, rocm: 30 MiB, 256 operands: `xla_gpu_all_reduce_combine_threshold_bytes`,
 #   `..._all_gather_...` and `..._reduce_scatter_...` default to 30 * 1024 * 1024
 #   (xla/debug_options_flags.cc, kDefault*CombineThreshold), count 256 (xla/service/gpu/gpu_compiler.cc,
 #   RunPostFusionPasses);
 # * tpu: libtpu's compiler is not open source and states no default; GPU's are used.
 # Offline (xla-opt, the Python API), where no platform is known, the default is GPU's.
+LARGEST_PRESENT = None
+SMALL_BYTES = 1 << 20
 GPU_THRESHOLDS = (30 * 1024 * 1024, 256)
-PLATFORM_THRESHOLDS = {"cpu": (2**63 - 1, 256), "cuda": GPU_THRESHOLDS, "rocm": GPU_THRESHOLDS, "tpu": GPU_THRESHOLDS}
+PLATFORM_THRESHOLDS = {"cpu": (LARGEST_PRESENT, 256), "cuda": GPU_THRESHOLDS, "rocm": GPU_THRESHOLDS,
+                       "tpu": GPU_THRESHOLDS}
 OFFLINE_THRESHOLDS = GPU_THRESHOLDS
 THRESHOLD_OPTIONS = ("threshold_bytes", "threshold_count")
 
 
-def combiner_thresholds(hlo_pass, context=None) -> dict[str, int]:
+def combiner_thresholds(hlo_pass, context=None) -> dict[str, int | None]:
     """A combiner pass's `threshold_bytes` and `threshold_count`, where unset (None) the run's
-    (`PassContext.combiner_thresholds`: the platform's at the JAX hook), else the offline defaults."""
+    (`PassContext.combiner_thresholds`: the platform's at the JAX hook), else the offline defaults.
+    A `threshold_bytes` of `LARGEST_PRESENT` (None) is the largest collective of the kind in each
+    computation, at least `SMALL_BYTES` (`combine_by_key`)."""
     defaults = getattr(context, "combiner_thresholds", None) or OFFLINE_THRESHOLDS
     return {option: default if getattr(hlo_pass, option) is None else getattr(hlo_pass, option)
             for option, default in zip(THRESHOLD_OPTIONS, defaults)}
@@ -226,7 +238,7 @@ def platform_thresholds(platform: str | None) -> tuple[int, int] | None:
 # -- grouping ------------------------------------------------------------------------------------------
 
 def combine_by_key(comp: HloComputation, key_of: Callable[[HloInstruction], Hashable | None],
-                   combine: Callable[[list[HloInstruction]], object], *, threshold_bytes: int,
+                   combine: Callable[[list[HloInstruction]], object], *, threshold_bytes: int | None,
                    threshold_count: int) -> bool:
     """Combine instructions of `comp` with equal keys, as XLA's `CombineInstructionsByKey`.
 
@@ -244,15 +256,20 @@ def combine_by_key(comp: HloComputation, key_of: Callable[[HloInstruction], Hash
     it in post order, so it is either downstream of it (and so of a member: passed over too) or
     independent of it.
 
+    `threshold_bytes` `LARGEST_PRESENT` (None) is the bytes of the largest instruction with a key,
+    at least `SMALL_BYTES`.
+
     `combine(members)` rewrites the members away; returns whether anything was combined.
     """
-    if threshold_bytes <= 0 or threshold_count <= 0:
-        return False
     keys = {}
     for instr in comp.instructions:
         key = key_of(instr)
         if key is not None:
             keys[instr] = key
+    if threshold_bytes is LARGEST_PRESENT:
+        threshold_bytes = max([SMALL_BYTES, *(instr.shape.byte_size for instr in keys)])
+    if threshold_bytes <= 0 or threshold_count <= 0:
+        return False
     changed = False
     while keys:
         group, group_key, group_bytes, group_count = [], None, 0, 0
@@ -382,7 +399,7 @@ def combinable_computations(module: HloModule) -> list[HloComputation]:
 
 
 def run_combiner(module: HloModule, opcode: str, key_of: Callable[[HloInstruction], Hashable | None],
-                 combine: Callable[[list[HloInstruction]], object], *, threshold_bytes: int,
+                 combine: Callable[[list[HloInstruction]], object], *, threshold_bytes: int | None,
                  threshold_count: int, scope: CombinerScope | None = None) -> bool:
     """Combine the `opcode` collectives of every combinable computation of `module`.
 

@@ -177,6 +177,8 @@ class _Plan:
             scaled[0][0].rename(name)
         for product, value in scaled:
             _fold_means(product, value, self.group_size)
+            if product.parent is not None and product.opcode == "fusion":
+                _fold_into_fusions(product, value, self.group_size)
 
     def _times_group_size(self, value: HloInstruction, shape: Shape, sharding) -> HloInstruction:
         """`value * group_size` in `value`'s element type, where the all-reduce was.
@@ -249,6 +251,46 @@ def _fold_means(product: HloInstruction, value: HloInstruction, group_size: int)
             user.replace_all_uses_with(value)
             _remove_unused(user)
     _remove_unused(product)
+
+
+def _fold_into_fusions(product: HloInstruction, value: HloInstruction, group_size: int) -> None:
+    """After XLA's fusion: make the loop and input fusions that read `product` (the kLoop fusion of
+    `value` * `group_size`) multiply `value` themselves, the same float operation in their body,
+    where a mean's 1/`group_size` that XLA fused there takes it back out (`_fold_means`).
+
+    The product then needs no buffer: a separate fusion's result lives from where XLA schedules
+    it to its last reader, which XLA's all-reduce did not hold for longer than its uses (JAX's
+    optimizers read a gradient twice, once per moment of adam)::
+
+        s = f32[512] fusion(g), kind=kLoop, calls=times    (g * 8)
+        m = f32[512] fusion(m0, s), kind=kLoop, calls=update    (update: p1 * 0.125, ...)
+                                  =>
+        m = f32[512] fusion(m0, g), kind=kLoop, calls=update    (update: p1, ...)
+    """
+    module = product.parent.parent
+    for user in list(product.users):
+        if user.opcode != "fusion" or user.attrs.get("kind") not in ("kLoop", "kInput"):
+            continue
+        body = user.attrs["calls"]
+        if len(module.callers().get(body, ())) > 1:
+            body = module.clone_computation(body, suffix="scaled")
+            user.attrs["calls"] = body
+        for number, operand in enumerate(user.operands):
+            if operand is product:
+                parameter = body.parameter(number)
+                readers = sorted(parameter.users, key=body.instructions.index)
+                scaled = _times(body, parameter, group_size, parameter.shape, f"{parameter.name}.times", {},
+                                before=readers[0] if readers else None)
+                for reader in readers:
+                    reader.replace_operand_with(parameter, scaled)
+                if parameter.is_root:
+                    body.set_root(scaled)
+                _fold_means(scaled, parameter, group_size)
+                user.set_operand(number, value)
+    if not product.users and not product.is_root:
+        body = product.attrs["calls"]
+        _remove_unused(product)
+        module.remove_computation(body)
 
 
 def _remove_unused(instr: HloInstruction) -> None:
