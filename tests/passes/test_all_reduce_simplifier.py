@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import hlo_tools
 import xla_passes
 from pass_testing import run_and_compare
-from xla_passes.validation import check_inputs
+from xla_passes.tools.validation import check_inputs
 
 REDUCERS = """
 add {

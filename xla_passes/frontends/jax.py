@@ -19,7 +19,7 @@ the edits rather than the whole module; otherwise it gets the whole module
 printed, unread bodies as the text XLA printed. A module in which no pass of
 the pipeline finds what it acts on (see `HloPass.opcodes`: e.g. fewer than two
 all-reduces for a combiner) is handed back at once, unparsed, unless dumps are
-asked for. The installed JAX plugin (`xla_passes.jax_plugin`) switches passes
+asked for. The installed JAX plugin (`xla_passes.frontends.jax_plugin`) switches passes
 on from the `XLA_PASSES` environment variable (or `--xla_passes`, see
 `xla_passes.flags`) when JAX starts its backends.
 
@@ -52,13 +52,13 @@ from hlo_tools.ir.attributes import parse_buffer_donor
 from hlo_tools.ir.errors import one_line
 from hlo_tools.garbage_collection import garbage_collection_paused
 
-from . import validation
-from .analysis.replica_groups import inferred_device_counts
+from ..analysis.replica_groups import inferred_device_counts
+from ..core import PassError
+from ..pipeline import Pipeline, computations_run_on_their_own
+from ..rewrites.inlining import is_shardy_body_call, wrap_in_fusions
+from ..tools import validation
 from .configuration import (ALL_PLATFORMS, CHECK_VARIABLE, DUMP_VARIABLE, POST_SCHEDULER, PRE_SCHEDULER,
                             STRICT_VARIABLE, ConfigurationError, Settings, check_requested, configured_settings)
-from .core import PassError
-from .pipeline import Pipeline, computations_run_on_their_own
-from .rewrites.inlining import is_shardy_body_call, wrap_in_fusions
 
 logger = logging.getLogger("xla_passes")
 
@@ -113,7 +113,7 @@ def enable(passes: str, *, stage: str = PRE_SCHEDULER, dump_to: str | None = Non
       platforms: a platform name or names ("cpu", "cuda", "rocm", "tpu");
         None means all of them.
       check: run every module the passes changed against the original on
-        random inputs before XLA gets it (CPU compiles; `xla_passes.validation`),
+        random inputs before XLA gets it (CPU compiles; `xla_passes.tools.validation`),
         and keep the original, with a warning, when they differ.
 
     Returns:
@@ -247,7 +247,7 @@ def rewrite_module(module_proto: bytes, settings: Settings, platform: str = "cpu
     A failure returns None after one warning, so that XLA compiles the original
     module, or raises when `settings.strict`. With `settings.check`, so does a
     rewritten module that computes something else than the original
-    (`xla_passes.validation`; CPU compiles only). A pass that refuses the whole module
+    (`xla_passes.tools.validation`; CPU compiles only). A pass that refuses the whole module
     (`Pipeline.refusals`) says why in a warning; XLA then compiles what the other passes made,
     strict or not (a module the pass does not fit is no failure of the compile).
     """
@@ -310,7 +310,7 @@ def _wrap_in_fusions(_pass_name: str, module) -> None:
 
 def _check(original: bytes, rewritten: bytes, module, pipeline: Pipeline, settings: Settings,
            platform: str) -> None:
-    """Translation validation of one rewrite (`xla_passes.validation`).
+    """Translation validation of one rewrite (`xla_passes.tools.validation`).
 
     Raises:
       PassError: the modules differ, or the check could not tell; names the first pass whose

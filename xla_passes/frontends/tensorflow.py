@@ -26,7 +26,7 @@ import threading
 import numpy as np
 
 from .configuration import STRICT_VARIABLE, ConfigurationError, configured_settings
-from .pipeline import Pipeline, parse_pipeline
+from ..pipeline import Pipeline, parse_pipeline
 
 logger = logging.getLogger("xla_passes")
 
