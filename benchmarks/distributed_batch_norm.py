@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 
-from xla_passes.training import use_cpu_devices
+from xla_passes_demo.training import use_cpu_devices
 
 if __name__ == "__main__":
     use_cpu_devices(8)
@@ -45,7 +45,7 @@ import optax  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import xla_passes.jax  # noqa: E402
-from xla_passes.training import collective_counts, compile_step, compiled_costs, hand_back_hook  # noqa: E402
+from xla_passes_demo.training import collective_counts, compile_step, compiled_costs, hand_back_hook  # noqa: E402
 
 PASSES = "distributed-batch-norm{group_size=2}"
 CONFIGURATIONS = {"plain": None, "hook": None, "dbn": PASSES, "dbn+cf": f"{PASSES},collective-fusion"}

@@ -28,7 +28,7 @@ import statistics
 import sys
 import time
 
-from xla_passes.training import use_cpu_devices
+from xla_passes_demo.training import use_cpu_devices
 
 use_cpu_devices(8)
 
@@ -40,7 +40,7 @@ import optax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from hlo_tools.xla import xla_bridge  # noqa: E402
-from xla_passes.training import MLP, collective_counts, compile_step  # noqa: E402
+from xla_passes_demo.training import MLP, collective_counts, compile_step  # noqa: E402
 
 STYLES = ("shard_map", "jit", "pmap")
 WIDTHS = (512, 512, 512, 10)

@@ -74,7 +74,7 @@ JAX_CONFIGS = {"plain": None, "collective-fusion": "collective-fusion",
                # the same, with the regrouped all-reduces combined (the pass leaves one per statistic)
                "distributed-batch-norm{group_size=2},collective-fusion":
                    "distributed-batch-norm{group_size=2},collective-fusion"}
-# --xla-combiner-off: XLA's own all-reduce combiners switched off (xla_passes.training.NO_XLA_COMBINER)
+# --xla-combiner-off: XLA's own all-reduce combiners switched off (xla_passes_demo.training.NO_XLA_COMBINER)
 COMBINER_OFF_CONFIGS = {"plain, XLA's combiner off": None, "collective-fusion, XLA's combiner off": "collective-fusion"}
 SPATIAL = "spatial-partitioning{num_partitions=4,split=0:1}"
 # plain through a pass hook that hands XLA's module back unchanged (what the hook alone does to
@@ -164,7 +164,7 @@ def jax_model(name: str, image_size: int, steps: int, rounds: int, combiner_off:
     import numpy as np  # noqa: PLC0415
     from keras.src.backend.jax.trainer import _distribute_data  # noqa: PLC0415 - what train_on_batch calls
 
-    from xla_passes.training import NO_XLA_COMBINER, compile_step, compiled_costs, hand_back_hook  # noqa: PLC0415
+    from xla_passes_demo.training import NO_XLA_COMBINER, compile_step, compiled_costs, hand_back_hook  # noqa: PLC0415
 
     keras.utils.set_random_seed(0)
     keras.distribution.set_distribution(keras.distribution.DataParallel(devices=jax.devices()))
@@ -311,7 +311,7 @@ def print_jax_tables(results: dict[str, dict], args) -> None:
 
 def jax_part(args) -> None:
     os.environ["KERAS_BACKEND"] = "jax"
-    from xla_passes.training import use_cpu_devices  # noqa: PLC0415
+    from xla_passes_demo.training import use_cpu_devices  # noqa: PLC0415
 
     if not use_cpu_devices(N):
         raise SystemExit("JAX started before the device count could be set")

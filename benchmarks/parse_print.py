@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import hlo_tools
 from hlo_tools.xla import xla_bridge
-from xla_passes.training import use_cpu_devices
+from xla_passes_demo.training import use_cpu_devices
 
 MIN_LINES = 10_000
 

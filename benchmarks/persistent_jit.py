@@ -18,7 +18,7 @@ import statistics
 import sys
 import time
 
-from xla_passes.training import use_cpu_devices
+from xla_passes_demo.training import use_cpu_devices
 
 use_cpu_devices(8)
 
@@ -30,7 +30,7 @@ import optax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import xla_passes.jax  # noqa: E402
-from xla_passes.training import MLP, collective_counts  # noqa: E402
+from xla_passes_demo.training import MLP, collective_counts  # noqa: E402
 
 WIDTHS = (512, 512, 512, 10)
 INPUT_WIDTH = 256

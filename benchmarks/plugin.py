@@ -28,7 +28,7 @@
    paused, as in the hook), the steps interleaved, median of ``--compiles``
    runs.
 
-The model is the one tests/frontends/test_jax_plugin.py and the demo train (xla_passes/training.py):
+The model is the one tests/frontends/test_jax_plugin.py and the demo train (xla_passes_demo/training.py):
 an MLP of Dense layers with one all-reduce per gradient.
 
 Run from the repository root: ``.venv/bin/python benchmarks/plugin.py``.
@@ -50,8 +50,8 @@ from hlo_tools.xla import proto_patch, xla_bridge
 from hlo_tools.garbage_collection import garbage_collection_paused
 from hlo_tools.ir.verifier import verify_edits, verify_module
 from xla_passes import Pipeline
-from xla_passes.configuration import Settings
-from xla_passes.training import (NO_XLA_COMBINER, build_flax_training, compile_step, hand_back_hook,
+from xla_passes.frontends.configuration import Settings
+from xla_passes_demo.training import (NO_XLA_COMBINER, build_flax_training, compile_step, hand_back_hook,
                                  use_cpu_devices)
 
 PASSES = "collective-fusion"

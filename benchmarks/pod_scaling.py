@@ -1,6 +1,6 @@
 """Pod-scale estimates: what each collective pass is worth from 8 to 4096 chips (the cost model).
 
-Two data-parallel training steps at the seeds' sizes, from `xla_passes.models`: ResNet-50
+Two data-parallel training steps at the seeds' sizes, from `xla_passes_demo.models`: ResNet-50
 (25.6M parameters, 161 arrays; 32 images of 224x224 per chip) and a BERT-large-sized
 Transformer encoder (365M parameters, 390 arrays; 8 sequences of 512 tokens per chip), adam,
 f32 gradients. Nothing is run at that size: JAX lowers each step at one chip's batch and XLA's
@@ -52,7 +52,7 @@ ADAM_BYTES_PER_PARAMETER = 28  # f32: read weight, gradient, two moments; write 
 
 
 def _model_numbers(spec, batch: int) -> dict:
-    from xla_passes import models  # JAX only here: the pricing needs none
+    from xla_passes_demo import models  # JAX only here: the pricing needs none
 
     shapes = models.parameter_shapes(spec)
     flops = models.step_flops(spec, batch)
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--svg-dir", help="also draw each model's step time against chips as an SVG plot, "
                                           "pod_scaling_<model>.svg in this directory")
     args = parser.parse_args(argv)
-    from xla_passes import models
+    from xla_passes_demo import models
 
     chip = cost_model.CHIPS[args.chip]
     start = time.perf_counter()

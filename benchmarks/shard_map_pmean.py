@@ -1,6 +1,6 @@
 """`collective-fusion` against XLA's own combiner on a Flax `shard_map` + `pmean` step (8 CPU devices).
 
-The step of `xla_passes.training.build_flax_training` with `check_vma=True` and one `lax.pmean`
+The step of `xla_passes_demo.training.build_flax_training` with `check_vma=True` and one `lax.pmean`
 per gradient: JAX's transpose of shard_map all-reduces each gradient of a replicated parameter
 (`psum_invariant`), the `pmean` all-reduces it again, and each second all-reduce reads its first,
 so XLA's combiner (on, at XLA's defaults) cannot merge them. Four configurations, all at XLA's
@@ -34,7 +34,7 @@ import jax
 import numpy as np
 
 import xla_passes.jax
-from xla_passes.training import build_flax_training, collective_counts, compile_step, use_cpu_devices
+from xla_passes_demo.training import build_flax_training, collective_counts, compile_step, use_cpu_devices
 
 PASSES = "collective-fusion"
 # (key, label, passes at the hook, passes on JAX's lowering)

@@ -27,7 +27,7 @@ import numpy as np
 import hlo_tools
 import xla_passes
 from hlo_tools.xla import runner
-from xla_passes.training import use_cpu_devices
+from xla_passes_demo.training import use_cpu_devices
 
 sys.path.insert(0, os.path.dirname(__file__))
 from spatial_partitioning import permutes  # noqa: E402

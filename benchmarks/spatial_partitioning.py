@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import hlo_tools
 import xla_passes
 from hlo_tools.xla import runner
-from xla_passes.training import use_cpu_devices
+from xla_passes_demo.training import use_cpu_devices
 
 DEVICES = 4
 _PERMUTE = re.compile(r"= (\S+) collective-permute(?:-start)?\(")

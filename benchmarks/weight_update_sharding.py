@@ -55,7 +55,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import xla_passes.jax
-from xla_passes.training import MLP, compile_step, compiled_costs, hand_back_hook, use_cpu_devices
+from xla_passes_demo.training import MLP, compile_step, compiled_costs, hand_back_hook, use_cpu_devices
 
 PASS = "weight-update-sharding"
 N = 8

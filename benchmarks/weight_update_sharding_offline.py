@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import hlo_tools
 import xla_passes
 from hlo_tools.inspection.stats import xla_cost
-from xla_passes.training import use_cpu_devices
+from xla_passes_demo.training import use_cpu_devices
 
 DEVICES = 8
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather")

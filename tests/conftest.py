@@ -13,8 +13,8 @@ import sys  # noqa: E402
 
 import pytest  # noqa: E402
 
-# The test folders follow the code (ir/, xla/, inspection/, cli/, passes/, frontends/, models/,
-# properties/, project/); what they share lives apart: helpers/ (modules the tests import) and
+# The test folders follow the code (ir/, xla/, inspection/, cli/, passes/, frontends/, tools/,
+# models/, demo/, properties/, project/); what they share lives apart: helpers/ (modules the tests import) and
 # workers/ (scripts the tests run as subprocesses, some of whose constants the tests import).
 _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 for _folder in ("workers", "helpers"):
@@ -23,7 +23,7 @@ for _folder in ("workers", "helpers"):
         sys.path.insert(0, _path)
 
 import real_programs  # noqa: E402
-from xla_passes.testing import pytest_collect_file  # noqa: E402, F401 - collects the .hlo FileCheck tests
+from xla_passes.tools.testing import pytest_collect_file  # noqa: E402, F401 - collects the .hlo FileCheck tests
 
 
 @pytest.fixture(scope="session")

@@ -354,7 +354,7 @@ def test_every_size_a_user_can_type_is_refused_in_bounded_memory(tmp_path, argv,
     def limit_memory():
         resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, ADDRESS_SPACE))
 
-    prog, module = ("xla_passes.opt", argv[1:]) if argv[0] == "xla-opt" else ("hlo_tools", argv)
+    prog, module = ("xla_passes.tools.opt", argv[1:]) if argv[0] == "xla-opt" else ("hlo_tools", argv)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
     proc = subprocess.Popen([sys.executable, "-m", prog, *module], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, preexec_fn=limit_memory, start_new_session=True)

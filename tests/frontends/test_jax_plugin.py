@@ -19,8 +19,8 @@ import pytest
 
 import hlo_tools
 import xla_passes
-from xla_passes import configuration
-from xla_passes import jax as xla_passes_jax
+from xla_passes.frontends import configuration
+from xla_passes.frontends import jax as xla_passes_jax
 
 TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO_ROOT = os.path.dirname(TESTS_DIR)
@@ -74,8 +74,14 @@ def count_opcode(path, opcode: str) -> int:
 
 
 def test_package_advertises_the_jax_plugin():
+    import tomllib  # noqa: PLC0415
+
+    with open(os.path.join(os.path.dirname(TESTS_DIR), "pyproject.toml"), "rb") as f:
+        declared = tomllib.load(f)["project"]["entry-points"]["jax_plugins"]
+    assert declared == {"xla_passes": "xla_passes.frontends.jax_plugin"}
     plugins = {ep.name: ep.value for ep in entry_points(group="jax_plugins")}
-    assert plugins.get("xla_passes") == "xla_passes.jax_plugin"
+    assert plugins.get("xla_passes") == declared["xla_passes"], (
+        "the installed metadata is not pyproject.toml's: reinstall (pip install -e .)")
 
 
 def test_without_xla_passes_nothing_is_registered_or_dumped(tmp_path):
@@ -472,7 +478,7 @@ def test_shard_map_pmean_step_at_xla_defaults_keeps_one_all_reduce_with_collecti
     rest into one, and the step computes the same within float rounding."""
     pytest.importorskip("flax")
     import jax  # noqa: PLC0415
-    from xla_passes.training import build_flax_training, collective_counts, compile_step  # noqa: PLC0415
+    from xla_passes_demo.training import build_flax_training, collective_counts, compile_step  # noqa: PLC0415
 
     step, args = build_flax_training((128, 128, 10), check_vma=True, donate=False, batch_per_device=16)
     plain, _ = compile_step(step, args, None)

@@ -445,7 +445,7 @@ ENTRY main {{
 
 
 def test_xla_opt_report_prices_the_input_and_each_changing_pass(tmp_path, capsys):
-    from xla_passes import opt
+    from xla_passes.tools import opt
 
     source = tmp_path / "m.hlo"
     source.write_text(COMBINABLE)
@@ -469,7 +469,7 @@ def test_xla_opt_report_prices_the_input_and_each_changing_pass(tmp_path, capsys
 
 
 def test_report_shows_each_steps_estimated_time(tmp_path, capsys):
-    from xla_passes import opt
+    from xla_passes.tools import opt
 
     source = tmp_path / "m.hlo"
     source.write_text(COMBINABLE)

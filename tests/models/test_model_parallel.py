@@ -194,7 +194,7 @@ def test_xla_passes_jax_jit_has_nothing_to_rewrite():
     collectives of a jit + NamedSharding program: the passes find none, report nothing, and the
     numbers stay those of `jax.jit`."""
     import xla_passes.jax
-    from xla_passes import models
+    from xla_passes_demo import models
 
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()).reshape(2, 4), ("data", "model"))
     results = []

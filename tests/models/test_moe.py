@@ -1,4 +1,4 @@
-"""The ST-MoE seed: xla_passes.models' top-2 mixture of experts, expert parallel over 8 CPU devices.
+"""The ST-MoE seed: xla_passes_demo.models' top-2 mixture of experts, expert parallel over 8 CPU devices.
 
 Checked, each against something computed another way:
 
@@ -54,7 +54,7 @@ def worker(out: str) -> None:
 
     import jax
 
-    from xla_passes import models
+    from xla_passes_demo import models
 
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(name)s %(levelname)s %(message)s"))
@@ -102,7 +102,7 @@ def test_routing_top2_capacity_and_auxiliary_losses_match_a_per_token_loop():
     import jax
     import jax.numpy as jnp
 
-    from xla_passes import models
+    from xla_passes_demo import models
 
     rng = np.random.default_rng(3)
     x = rng.standard_normal((48, 16)).astype(np.float32)
@@ -149,7 +149,7 @@ def test_expert_parallel_step_equals_the_one_device_step_with_every_expert_local
     in float64. Capacity factor 1.0 so that some tokens are dropped (checked)."""
     import jax
 
-    from xla_passes import models
+    from xla_passes_demo import models
 
     model = models.MoEModel(capacity_factor=1.0)
     with jax.enable_x64(True):
@@ -182,7 +182,7 @@ def moe_modules(mesh, tmp_path_factory):
     import jax
 
     from hlo_tools.xla import xla_bridge
-    from xla_passes import models
+    from xla_passes_demo import models
 
     step, args = models.moe_step(mesh, donate=False)
     lowered = step.lower(*args)
@@ -445,7 +445,7 @@ def jit_baselines(mesh):
     import hlo_tools
     import xla_passes.jax
     from hlo_tools.xla import xla_bridge
-    from xla_passes import models
+    from xla_passes_demo import models
 
     plain_step, plain_args = models.moe_step(mesh)
     text = xla_bridge.lowered_module_text(plain_step.lower(*plain_args))
@@ -462,7 +462,7 @@ def test_passes_through_xla_passes_jax_jit(mesh, jit_baselines, passes):
     plain step within the tolerance; against the `dce` control (what the round trip of JAX's lowering
     through HLO text alone changes: one float32 ulp of a loss) printed."""
     import xla_passes.jax
-    from xla_passes import models
+    from xla_passes_demo import models
 
     before, expected, control = jit_baselines
     made = []

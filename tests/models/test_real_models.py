@@ -54,7 +54,7 @@ import pytest
 
 import hlo_tools
 from real_model_worker import STEP_TIMES_PREFIX
-from xla_passes.training import NO_XLA_COMBINER
+from xla_passes_demo.training import NO_XLA_COMBINER
 
 # Keras 3 applications and a Flax ResNet trained in subprocesses, plain and with each pass: minutes each.
 pytestmark = pytest.mark.slow

@@ -15,7 +15,7 @@ import hlo_tools
 import xla_passes
 from pass_testing import run_and_compare
 from hlo_tools.xla import runner
-from xla_passes.validation import check_inputs
+from xla_passes.tools.validation import check_inputs
 
 REDUCERS = """
 add {

@@ -336,8 +336,8 @@ def test_replica_program_equals_batch_norm_of_each_groups_batch(groups):
 
 
 def test_refuses_a_batch_norm_already_synchronized_over_the_replicas():
-    """xla_passes.models' ResNet: BatchNorm(axis_name="data") already averages over all 8 devices."""
-    from xla_passes import models  # noqa: PLC0415
+    """xla_passes_demo.models' ResNet: BatchNorm(axis_name="data") already averages over all 8 devices."""
+    from xla_passes_demo import models  # noqa: PLC0415
 
     mesh = jax.make_mesh((8,), ("data",))
     step, args = models.data_parallel_step(models.small_resnet(), mesh)
@@ -415,12 +415,12 @@ def test_keras_batch_normalization_equals_batch_norm_of_each_groups_batch():
     print("Keras, max abs differences against each group's batch on one device:", worst)
 
 
-# -- xla_passes.models' ResNet (bottleneck blocks, residuals, strides, max pool) ---------------------------
+# -- xla_passes_demo.models' ResNet (bottleneck blocks, residuals, strides, max pool) ---------------------------
 
 def _resnet_step(k: int):
     """The ResNet's BatchNorm averages over the mesh axis "data": on a (8, 1) mesh ('replicas', 'data')
     that is each device's own batch (a pmean over one device), on a (8/k, k) mesh a group of k."""
-    from xla_passes import models  # noqa: PLC0415
+    from xla_passes_demo import models  # noqa: PLC0415
 
     spec = models.small_resnet()
     variables = spec.model.init(jax.random.key(0), jnp.zeros((1, *spec.example_shape)), train=False)
@@ -638,7 +638,7 @@ def test_resnet_pmap_step_at_the_jax_hook_equals_jax_grouped_batch_norm():
     """The zoo's ResNet (flax's imagenet example: `BatchNorm(axis_name="data")`) in a `jax.pmap`
     step with adam: equal to the ResNet whose BatchNorm averages over groups of 2 devices (a (4, 2)
     mesh), each device keeping its group's statistics."""
-    from xla_passes import models  # noqa: PLC0415
+    from xla_passes_demo import models  # noqa: PLC0415
 
     spec = models.small_resnet()
     tx = optax.adam(1e-2)
@@ -849,7 +849,7 @@ def test_dense_batch_norm():
 
 def test_resnet50_groups_every_batch_norm():
     """ResNet-50 at its real size (lowered, not compiled): 53 batch norms, 2 statistics and 2 gradients each."""
-    from xla_passes import models  # noqa: PLC0415
+    from xla_passes_demo import models  # noqa: PLC0415
 
     spec = models.resnet50()
     variables = jax.eval_shape(functools.partial(spec.model.init, train=False), jax.random.key(0),

@@ -10,7 +10,8 @@ import xla_passes
 import xla_passes.jax
 from hlo_tools.ir.hlo import HloModule
 from xla_passes import HloPass, PassContext, PassError, PassPipeline, PassResult, Pipeline
-from xla_passes import configuration, core, pipeline as pipeline_module
+from xla_passes import core, pipeline as pipeline_module
+from xla_passes.frontends import configuration
 from xla_passes.analysis import collectives
 
 MODULE = """HloModule step, replica_count=2

@@ -1,7 +1,14 @@
-"""The shape of the two packages, read from their source (nothing is imported or run).
+"""The shape of the packages, read from their source (nothing is imported or run).
 
-- No import cycle among the modules of `hlo_tools` and `xla_passes`: the module import graph has
-  no strongly connected component of more than one module (nor a module importing itself).
+- No import cycle among the modules of `hlo_tools`, `xla_passes` and `xla_passes_demo`: the
+  module import graph has no strongly connected component of more than one module (nor a module
+  importing itself).
+- Imports point one way between the packages: `xla_passes_demo` (the model zoo and the demo,
+  beside the library) may import `xla_passes` and `hlo_tools`, `xla_passes` may import
+  `hlo_tools`, never back.
+- Inside `xla_passes`, the pass manager, the shared modules and the passes never import the
+  front ends or the tools (`xla_passes.frontends`, `xla_passes.tools`, the public modules
+  `xla_passes.jax`, `xla_passes.flags`, `xla_passes.tensorflow` that re-export the front ends).
 - No file in `xla_passes/passes/` imports another file of `xla_passes/passes/`: shared code lives
   in shared modules (`xla_passes.analysis`, `xla_passes.rewrites`), passes hold passes.
 
@@ -19,7 +26,12 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-PACKAGES = ("hlo_tools", "xla_passes")
+PACKAGES = ("hlo_tools", "xla_passes", "xla_passes_demo")
+# Each package with the packages it may import (besides itself): imports point one way.
+MAY_IMPORT = {"hlo_tools": set(), "xla_passes": {"hlo_tools"}, "xla_passes_demo": {"hlo_tools", "xla_passes"}}
+# The top layers of xla_passes, which nothing below them imports.
+FRONT_ENDS_AND_TOOLS = ("xla_passes.frontends", "xla_passes.tools", "xla_passes.jax", "xla_passes.flags",
+                        "xla_passes.tensorflow")
 PASSES = "xla_passes.passes"
 
 # Pass files that still import another pass, each with what it imports and why. Empty is the goal;
@@ -242,6 +254,33 @@ def test_passes_import_no_other_pass():
     assert not found, "pass files that import other pass files:\n" + "\n".join(lines)
 
 
+
+def _package_of(name: str) -> str:
+    return name.partition(".")[0]
+
+
+def _in(name: str, prefixes) -> bool:
+    return any(name == prefix or name.startswith(prefix + ".") for prefix in prefixes)
+
+
+def test_imports_point_one_way_between_the_packages():
+    graph, modules = import_graph()
+    assert {_package_of(name) for name in graph} == set(MAY_IMPORT)
+    found = [f"  {modules[name].relative_to(ROOT)}:{line} imports {target}"
+             for name in sorted(graph) for target, line in sorted(graph[name].items())
+             if _package_of(target) != _package_of(name) and _package_of(target) not in MAY_IMPORT[_package_of(name)]]
+    assert not found, "imports against the packages' order (xla_passes_demo -> xla_passes -> hlo_tools):\n" + "\n".join(found)
+
+
+def test_below_the_front_ends_nothing_imports_them():
+    graph, modules = import_graph()
+    assert "xla_passes.frontends.jax" in graph and "xla_passes.tools.opt" in graph
+    found = [f"  {modules[name].relative_to(ROOT)}:{line} imports {target}"
+             for name in sorted(graph) if _package_of(name) == "xla_passes" and not _in(name, FRONT_ENDS_AND_TOOLS)
+             for target, line in sorted(graph[name].items()) if _in(target, FRONT_ENDS_AND_TOOLS)]
+    assert not found, "the pass manager, shared modules and passes import the front ends or tools:\n" + "\n".join(found)
+
+
 # The IR's edit state, which only hlo_tools.ir reads directly; others use the public accessors
 # (`source_text`, `source_span`, `edited`, `computations_edited`, `header_edited`, ...).
 IR_PRIVATE_STATE = frozenset({"_span", "_dirty", "_source", "_header_stale", "_shape_set", "_edited_operands_only",
@@ -252,7 +291,7 @@ IR = "hlo_tools.ir"
 KNOWN_CLI_IMPORTS: dict[str, set[str]] = {
     # xla-opt takes hlo-tools cost's machine options; `add_machine_options` moves out of
     # hlo_tools.cli.cost_command when that package is free to edit (issue 22).
-    "xla_passes.opt": {"hlo_tools.cli.cost_command"},
+    "xla_passes.tools.opt": {"hlo_tools.cli.cost_command"},
 }
 
 

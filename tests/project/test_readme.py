@@ -22,7 +22,7 @@ def test_readme_has_main_job_and_test_commands():
     assert all("\n" not in command for command in commands)
     main_job, tests = commands
     assert main_job == ("python3 -m venv .venv && .venv/bin/pip install -e '.[demo]' "
-                        "&& .venv/bin/python -m xla_passes.demo")
+                        "&& .venv/bin/python -m xla_passes_demo")
     assert tests.endswith(".venv/bin/python -m pytest -q")
 
 
@@ -48,13 +48,15 @@ def test_library_depends_on_jax_numpy_and_absl_alone():
 def test_demo_install_brings_what_the_main_job_imports():
     """`pip install -e '.[demo]'` brings every package the demo and its model import."""
     imported = set()
-    for path in ["xla_passes/demo.py", "xla_passes/training.py", "xla_passes/models.py", "xla_passes/zoo_dependencies.py"]:
-        for node in ast.walk(ast.parse((ROOT / path).read_text(encoding="utf-8"))):
+    paths = sorted((ROOT / "xla_passes_demo").glob("*.py"))
+    assert {path.name for path in paths} >= {"__main__.py", "demo.py", "training.py", "models.py", "dependencies.py"}
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Import):
                 imported |= {alias.name.split(".")[0] for alias in node.names}
             elif isinstance(node, ast.ImportFrom) and node.level == 0:
                 imported.add(node.module.split(".")[0])
-    third_party = imported - set(sys.stdlib_module_names) - {"hlo_tools", "xla_passes"}
+    third_party = imported - set(sys.stdlib_module_names) - {"hlo_tools", "xla_passes", "xla_passes_demo"}
     assert {"flax", "optax", "jax"} <= third_party
     providers = importlib.metadata.packages_distributions()
     needed = {distribution.lower() for module in third_party for distribution in providers[module]}

@@ -10,7 +10,7 @@ The scenarios are ordinary, unmodified JAX programs: nothing here imports
 `xla_passes` unless `--test-passes` asks for the test passes below (which a
 real user's program would not have), an absl-* scenario imports
 `xla_passes.flags` (as an absl program using the flag would) or the flax
-scenario takes its model from `xla_passes.training` (which switches nothing on).
+scenario takes its model from `xla_passes_demo.training` (which switches nothing on).
 """
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def program_scenario() -> dict:
 
     x, y = _inputs()
     result = np.asarray(jax.jit(program)(x, y))
-    adapter = sys.modules.get("xla_passes.jax")
+    adapter = sys.modules.get("xla_passes.frontends.jax")
     return {"correct": bool(np.allclose(result, _expected(x, y), atol=1e-5)),
             "adapter_imported": adapter is not None,
             "enabled": None if adapter is None or adapter.enabled() is None else adapter.enabled().passes}
@@ -109,7 +109,7 @@ def threads_scenario(threads: int = 8) -> dict:
 
 def flax_training(steps: int) -> dict:
     """The losses of `steps` training steps of `build_flax_training`'s model."""
-    from xla_passes.training import build_flax_training
+    from xla_passes_demo.training import build_flax_training
 
     step, (params, opt_state, images, labels) = build_flax_training()
     losses = []

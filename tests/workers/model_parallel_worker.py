@@ -38,7 +38,7 @@ def float64(tree):
 def train(program: str, optimizer_name: str, steps: int, x64: bool = False) -> dict[str, np.ndarray]:
     import jax
 
-    from xla_passes import models
+    from xla_passes_demo import models
 
     jax.config.update("jax_enable_x64", x64)
     if program == "megatron":

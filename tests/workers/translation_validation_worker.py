@@ -1,4 +1,4 @@
-"""Worker for tests/frontends/test_translation_validation.py: a data-parallel step compiled under the
+"""Worker for tests/tools/test_translation_validation.py: a data-parallel step compiled under the
 `XLA_PASSES*` variables, with a test-only pass that makes a wrong rewrite on purpose.
 
     python tests/workers/translation_validation_worker.py OUT.npz

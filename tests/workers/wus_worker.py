@@ -27,7 +27,7 @@ def train(optimizer_name: str, steps: int) -> dict[str, np.ndarray]:
     import jax
     import optax
 
-    from xla_passes.training import build_flax_training
+    from xla_passes_demo.training import build_flax_training
 
     step, (params, opt_state, images, labels) = build_flax_training(
         WIDTHS, optimizer=OPTIMIZERS[optimizer_name](optax), pmean_each_gradient=False,

@@ -7,7 +7,7 @@ from hlo_tools.xla import runner, xla_bridge
 from hlo_tools.xla.proto_patch import patched_module_proto
 import xla_passes.jax
 from xla_passes import Pipeline
-from xla_passes.configuration import Settings
+from xla_passes.frontends.configuration import Settings
 
 from sample_modules import FUSIONS_AND_ALL_REDUCES as MODULE
 

@@ -18,7 +18,7 @@ same, so the element types match too) and `collective_group_key`, are in one sha
 have no control dependencies, and neither depends on the other. Groups are formed in post
 order up to `threshold_bytes` of results and `threshold_count` operands; an all-reduce that
 depends on the group is left for a later group. Unset thresholds are the platform's defaults
-(`xla_passes.collectives.PLATFORM_THRESHOLDS`; GPU's offline). The combined op's metadata
+(`xla_passes.analysis.collectives.PLATFORM_THRESHOLDS`; GPU's offline). The combined op's metadata
 merges the members' `op_name`s and frontend attributes as XLA does.
 
 In a Shardy `shard_map` body (`xla.sdy.manual_computation_body*`, a module before XLA's
@@ -50,7 +50,7 @@ separate op's fusion (up to 0.6% of an f16 bias gradient).
 Differences from XLA: already combined (tuple) all-reduces are combined further, flattened,
 and count with all their operands; structurally equal non-trivial reducers combine (XLA only
 combines reducers of one binary op). Async `all-reduce-start`/`-done` pairs and
-layout-constrained modules are left alone (see `xla_passes.collectives`). Every computation
+layout-constrained modules are left alone (see `xla_passes.analysis.collectives`). Every computation
 but fusion and async-wrapped bodies is visited: entry, while bodies, shard_map bodies, called
 computations.
 """

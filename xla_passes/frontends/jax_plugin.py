@@ -12,7 +12,7 @@ import sys
 
 def initialize() -> None:
     """Switch on the passes that `XLA_PASSES` or `--xla_passes` name (`xla_passes.jax.enable_configured`)."""
-    if not os.environ.get("XLA_PASSES", "").strip() and "xla_passes.flags" not in sys.modules:
+    if not os.environ.get("XLA_PASSES", "").strip() and "xla_passes.frontends.flags" not in sys.modules:
         return
     from . import jax as jax_adapter  # noqa: PLC0415 - pay for the passes only when they are asked for
     from .configuration import STRICT_VARIABLE, ConfigurationError, strict_requested  # noqa: PLC0415

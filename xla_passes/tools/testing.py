@@ -13,7 +13,7 @@ A RUN line is `[not] xla-opt ARGS [2>&1] | FileCheck %s [FILECHECK-ARGS]`;
 FileCheck with `2>&1`). Both tools run in-process, and FileCheck is the
 `filecheck` package from PyPI (a maintained port of LLVM's).
 
-In a conftest.py: `from xla_passes.testing import pytest_collect_file  # noqa: F401`.
+In a conftest.py: `from xla_passes.tools.testing import pytest_collect_file  # noqa: F401`.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from xla_passes import opt
+from xla_passes.tools import opt
 
 MODULE = """HloModule opt_test
 
@@ -134,7 +134,7 @@ def test_errors_are_one_line_with_a_nonzero_exit(tmp_path, capsys):
 def test_console_script_reports_errors_without_a_traceback(tmp_path):
     src = tmp_path / "in.hlo"
     src.write_text("HloModule m\nENTRY e {\n  ROOT r = f32[8] bogus-op()\n}\n")
-    result = subprocess.run([sys.executable, "-m", "xla_passes.opt", str(src), "--passes=dce"],
+    result = subprocess.run([sys.executable, "-m", "xla_passes.tools.opt", str(src), "--passes=dce"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert result.stderr.startswith(f"xla-opt: error: {src}:3:")
@@ -222,7 +222,7 @@ def test_two_processes_dumping_into_one_directory_keep_every_module(tmp_path):
     src = tmp_path / "cases.hlo"
     src.write_text("// -----\n".join(MODULE.replace("opt_test", f"case{k}") for k in range(modules)))
     dump = tmp_path / "dump"
-    command = [sys.executable, "-m", "xla_passes.opt", str(src), "--split-input-file", "--passes=dce",
+    command = [sys.executable, "-m", "xla_passes.tools.opt", str(src), "--split-input-file", "--passes=dce",
                "--dump-to", str(dump)]
     procs = [subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]

@@ -1,6 +1,6 @@
 """Flax + Optax data-parallel training steps, and what their compiled programs cost.
 
-One home for the model that the demo (`python -m xla_passes.demo`), the JAX
+One home for the model that the demo (`python -m xla_passes_demo`), the JAX
 plugin tests (tests/workers/jax_plugin_worker.py, tests/workers/wus_worker.py) and the
 benchmarks (benchmarks/plugin.py, benchmarks/weight_update_sharding.py) train,
 and for the compile-and-measure steps they share, so that their numbers come
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from .zoo_dependencies import nn, optax
+from .dependencies import nn, optax
 
 import hlo_tools
 import xla_passes.jax

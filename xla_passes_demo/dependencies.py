@@ -6,7 +6,7 @@ try:
 except ImportError as missing:
     if (missing.name or "").partition(".")[0] not in ("flax", "optax"):
         raise
-    raise ImportError("xla_passes.models, xla_passes.training and xla_passes.demo need flax and optax, which the "
+    raise ImportError("xla_passes_demo (its models, training and demo) needs flax and optax, which the "
                       "demo extra installs: pip install 'xla-passes[demo]' (from a checkout: "
                       "pip install -e '.[demo]')") from None
 

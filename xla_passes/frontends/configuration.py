@@ -22,9 +22,9 @@ import os
 import sys
 from collections.abc import Mapping
 
-from .core import PassError
-from .pipeline import Pipeline, abbreviated
-from .registry import registered_passes
+from ..core import PassError
+from ..pipeline import Pipeline, abbreviated
+from ..registry import registered_passes
 
 PRE_SCHEDULER = "pre_scheduler"
 POST_SCHEDULER = "post_scheduler"
@@ -71,7 +71,7 @@ class Settings:
     dump_to: str | None = None
     strict: bool = False
     platforms: tuple[str, ...] | str | None = ALL_PLATFORMS
-    check: bool = False      # translation validation of every changed module (xla_passes.validation)
+    check: bool = False      # translation validation of every changed module (xla_passes.tools.validation)
     pipeline: Pipeline = dataclasses.field(init=False, repr=False, compare=False)   # `passes`, parsed
 
     def __post_init__(self):
@@ -110,7 +110,7 @@ def configured_settings() -> Settings | None:
       ConfigurationError: a variable or flag has a bad value (the message names it).
     """
     values = environment_values()
-    flags_module = sys.modules.get("xla_passes.flags")
+    flags_module = sys.modules.get("xla_passes.frontends.flags")  # (xla_passes.flags imports it)
     if flags_module is not None:
         values.update(flags_module.given_values())
     return settings_from(values)

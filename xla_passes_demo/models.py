@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from .zoo_dependencies import nn, optax
+from .dependencies import nn, optax
 
 
 class BottleneckBlock(nn.Module):

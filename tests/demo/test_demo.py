@@ -1,4 +1,4 @@
-"""The main job, `python -m xla_passes.demo`, end to end at reduced size, in a fresh process.
+"""The main job, `python -m xla_passes_demo`, end to end at reduced size, in a fresh process.
 
 The demo trains one Flax model five ways, all at XLA's defaults; these tests check that what
 it reports holds together: the same losses in all runs (within float rounding), collective
@@ -14,14 +14,14 @@ import sys
 import pytest
 
 import xla_passes
-from xla_passes import demo
+from xla_passes_demo import demo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def run_demo(*args: str, cwd: str, **environ: str) -> subprocess.CompletedProcess:
+def run_demo(*args: str, cwd: str, module: str = "xla_passes_demo", **environ: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **environ)
-    return subprocess.run([sys.executable, "-m", "xla_passes.demo", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -183,10 +183,11 @@ def test_spatial_partitioning_of_the_conv_model_matches_one_device(small_demo):
     assert "module_0002.jit_loss_and_gradients.0001.after_spatial-partitioning.txt" in files
 
 
-def test_bad_arguments_are_one_line_errors(tmp_path):
-    result = run_demo("--steps", "0", cwd=str(tmp_path))
+@pytest.mark.parametrize("module", ["xla_passes_demo", "xla_passes_demo.demo"])
+def test_bad_arguments_are_one_line_errors(tmp_path, module):
+    result = run_demo("--steps", "0", cwd=str(tmp_path), module=module)
     assert result.returncode == 1
-    assert result.stderr.strip().splitlines() == ["python -m xla_passes.demo: error: --steps and --rounds must be at "
+    assert result.stderr.strip().splitlines() == ["python -m xla_passes_demo: error: --steps and --rounds must be at "
                                                   "least 1"]
     assert not os.listdir(tmp_path)
 
@@ -195,7 +196,7 @@ def test_the_demo_fails_when_its_numbers_disagree(small_demo):
     """A run with no failed check exits 0; each broken promise is a failed check (and exit 1)."""
     import copy
 
-    from xla_passes import demo
+    from xla_passes_demo import demo
 
     _, results, _ = small_demo
     assert results["failed_checks"] == [] == demo.failed_checks(results)

@@ -22,10 +22,10 @@ from hlo_tools.inspection import cost_model
 from hlo_tools.cli.cost_command import add_machine_options, machine
 
 from . import validation
-from .configuration import check_requested
-from .core import PassError
-from .pipeline import LAYOUTS_FINAL_NOTE, Pipeline
-from .registry import registered_passes
+from ..core import PassError
+from ..frontends.configuration import check_requested
+from ..pipeline import LAYOUTS_FINAL_NOTE, Pipeline
+from ..registry import registered_passes
 
 PROG = "xla-opt"
 SPLIT_MARKER = "// -----"

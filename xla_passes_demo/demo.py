@@ -1,6 +1,6 @@
 """The main job: train a small Flax model data parallel on 8 CPU devices, five ways, and compare.
 
-    python -m xla_passes.demo [--out DIR] [--small] [--steps N] [--rounds N] [--json FILE]
+    python -m xla_passes_demo [--out DIR] [--small] [--steps N] [--rounds N] [--json FILE]
 
 The same training step (a Flax MLP, optax adam, synthetic data, shard_map over
 8 CPU devices with `check_vma=True`, one `pmean` per gradient, the parameters and
@@ -59,19 +59,21 @@ import numpy as np
 
 import hlo_tools
 import xla_passes
+import xla_passes.jax
 from hlo_tools import cli
 from hlo_tools.inspection import report
 from hlo_tools.xla import runner, xla_bridge
 from hlo_tools.inspection.stats import module_stats, xla_cost
 
+PROG = "python -m xla_passes_demo"
+
 try:
-    from xla_passes import training
+    from . import training
 except ImportError as missing:  # flax/optax: the demo extra; as a command, one line and exit status 1
     if __name__ == "__main__":
-        sys.exit(f"python -m xla_passes.demo: error: {missing}")
+        sys.exit(f"{PROG}: error: {missing}")
     raise
 
-PROG = "python -m xla_passes.demo"
 PLAIN = "plain"
 FUSION, WUS = "collective-fusion", "weight-update-sharding"
 PERSISTENT = "weight-update-sharding{persistent=true}"
@@ -351,7 +353,7 @@ def failed_checks(results: dict) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="xla_passes_demo",
+    parser.add_argument("--out", default="xla_passes_demo_out",
                         help="directory for the dumps and report.html (default: %(default)s)")
     parser.add_argument("--small", action="store_true", help="a smaller model (for tests)")
     parser.add_argument("--steps", type=int, default=5, help="steps of each run per round (default: %(default)s)")

@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import hlo_tools
 import xla_passes.jax
-from xla_passes.configuration import ConfigurationError, settings_from_environment
+from xla_passes.frontends.configuration import ConfigurationError, settings_from_environment
 from xla_passes.analysis.replica_groups import DeviceCounts, inferred_device_counts
 
 TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -102,7 +102,7 @@ def test_xla_opt_check_refuses_a_wrong_rewrite_and_writes_nothing(tmp_path):
     source, out = tmp_path / "in.hlo", tmp_path / "out.hlo"
     source.write_text(text)
     program = ("import runpy, sys; runpy.run_path(sys.argv[1]);"  # registers test-perturb-constant
-               "from xla_passes.opt import main; sys.exit(main(sys.argv[2:]))")
+               "from xla_passes.tools.opt import main; sys.exit(main(sys.argv[2:]))")
     result = subprocess.run([sys.executable, "-c", program, WORKER, str(source), "--passes=test-perturb-constant",
                              "--check", "-o", str(out)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 1 and not out.exists()
@@ -115,7 +115,7 @@ def test_xla_opt_check_passes_a_correct_rewrite(tmp_path):
         "hlo").as_hlo_text()
     source, out = tmp_path / "in.hlo", tmp_path / "out.hlo"
     source.write_text(text)
-    result = subprocess.run([sys.executable, "-m", "xla_passes.opt", str(source), "--passes=cse,dce", "--check",
+    result = subprocess.run([sys.executable, "-m", "xla_passes.tools.opt", str(source), "--passes=cse,dce", "--check",
                              "-o", str(out)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert out.exists()

@@ -29,7 +29,7 @@ import numpy as np
 
 from hlo_tools import HloModule
 
-from .analysis.replica_groups import DeviceCounts
+from ..analysis.replica_groups import DeviceCounts
 
 # An element matches when it is within either bound of the original's (float noise of a
 # reduction done in another order; integers and predicates must be equal).
@@ -78,7 +78,7 @@ def check_rewrite(original: bytes, rewritten: bytes, *, counts: DeviceCounts, re
             json.dump({"replicas": counts.replicas or 1, "partitions": counts.partitions or 1,
                        "replicated": list(replicated), "stage": stage, "seed": seed}, f)
         try:
-            child = subprocess.run([sys.executable, "-m", "xla_passes.validation", directory],
+            child = subprocess.run([sys.executable, "-m", "xla_passes.tools.validation", directory],
                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                    env=_child_env(devices), timeout=timeout, check=False)
         except subprocess.TimeoutExpired:
