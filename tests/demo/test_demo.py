@@ -87,8 +87,9 @@ def test_weight_update_sharding_cuts_update_work_and_memory_and_the_jit_runs_kee
     runs = results["runs"]
     plain = runs["plain"]
     assert plain["update_flops"] > 0
-    assert runs[HOOK_FUSION]["update_flops"] == plain["update_flops"]
-    assert runs[JIT_FUSION]["update_flops"] <= plain["update_flops"]  # x * 8 / 8 folds away before XLA
+    # x * 8 / 8 folds away: before XLA in the jit run, in the update fusions that read it at the hook
+    assert runs[HOOK_FUSION]["update_flops"] < plain["update_flops"]
+    assert runs[JIT_FUSION]["update_flops"] <= plain["update_flops"]
     for name in (HOOK_WUS, JIT_WUS):
         assert runs[name]["update_flops"] < plain["update_flops"] / 4  # the limit is 1/8 per device
         assert runs[name]["temp_bytes"] < plain["temp_bytes"]
@@ -107,9 +108,11 @@ def test_weight_update_sharding_cuts_update_work_and_memory_and_the_jit_runs_kee
         assert run["peak_bytes"] == (run["argument_bytes"] + run["output_bytes"] - run["aliased_bytes"]
                                      + run["temp_bytes"])
     if results["hook_keeps_donation"]:
-        # collective-fusion's one combined all-reduce holds every local gradient and every sum at
-        # once: its peak is above plain's (docs/benchmarks.md); sharding the update cuts it
+        # sharding the update cuts the peak; collective-fusion's one combined all-reduce holds every
+        # local gradient and every sum at once, which on CPU stays within 1 MiB more than plain's
+        # separate ones (docs/collective_fusion.md, Thresholds)
         assert runs[HOOK_WUS]["peak_bytes"] <= plain["peak_bytes"]
+        assert runs[HOOK_FUSION]["peak_bytes"] <= plain["peak_bytes"] + (1 << 20)
     else:  # without donation a step holds its old state and its new one: more than the plain step at its peak
         for name in demo.HOOK_RUNS:
             assert runs[name]["peak_bytes"] > plain["peak_bytes"]
