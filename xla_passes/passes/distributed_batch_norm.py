@@ -1483,20 +1483,16 @@ class _Degrees(ForwardLattice):
         is computed from to the system, operands first, and raises the first refusal among them."""
         stack = [value]
         while stack:
-            instr = stack[-1]
-            if instr in self._demanded:
-                stack.pop()
-                continue
+            instr = stack.pop()
             waiting = [o for o in self._inputs(instr) if o not in self._demanded]
             if waiting:
-                stack += waiting
-                continue
-            stack.pop()
-            self._demanded.add(instr)
-            for refusal in (s for s in _leaves(self._flow.value(instr)) if isinstance(s, Refusal)):
-                raise refusal
-            for a, b in self._equations.get(instr, ()):
-                self.system.equal(a, b, instr)
+                stack += [instr, *waiting]
+            elif instr not in self._demanded:
+                self._demanded.add(instr)
+                for refusal in (s for s in _leaves(self._flow.value(instr)) if isinstance(s, Refusal)):
+                    raise refusal
+                for a, b in self._equations.get(instr, ()):
+                    self.system.equal(a, b, instr)
         return [s for s in _leaves(self._flow.value(value)) if s is not None]
 
     def _inputs(self, instr: HloInstruction) -> list:
@@ -1536,11 +1532,12 @@ class _Degrees(ForwardLattice):
             count = self.sources[instr]
             return _Degree(self.system.number(0 if self.across_devices else 1),
                            frozenset({self.axis_size if self.across_devices else count}), frozenset({count}))
+        if instr.opcode == "all-reduce" and instr.shape.is_tuple:   # each element for its get-tuple-element
+            return tuple(self._summed(instr, x) for x in operands)
         if self._own(instr):
             return self._devices_own(instr)
         if instr.opcode == "all-reduce":
-            summed = tuple(self._summed(instr, x) for x in operands)
-            return summed if instr.shape.is_tuple else summed[0]
+            return self._summed(instr, operands[0])
         reached = [x for o in operands for x in _leaves(o) if x is not None]
         if not reached:   # a device's own value is not a function of D
             return self._devices_own(instr) if self.across_devices and _per_example(instr, self.info) else None
