@@ -73,7 +73,6 @@ handed back, each instruction in a fusion of its own.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import math
 import re
