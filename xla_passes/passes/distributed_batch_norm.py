@@ -73,7 +73,6 @@ handed back, each instruction in a fusion of its own.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import math
 import re
@@ -1396,7 +1395,7 @@ _LOCAL_ARITHMETIC = frozenset({"add", "subtract", "negate", "multiply", "divide"
                                "concatenate", "convert", "copy", "transpose", "get-tuple-element"})
 _SAME_DEGREE = frozenset({"add", "subtract", "maximum", "minimum", "clamp"})
 _PASS_THROUGH = frozenset({"negate", "abs", "convert", "copy", "bitcast", "reshape", "broadcast", "transpose",
-                           "slice", "get-tuple-element", "reduce", "concatenate", "pad"})
+                           "slice", "reduce", "concatenate", "pad"})
 _POWERS = {"rsqrt": Fraction(-1, 2), "sqrt": Fraction(1, 2)}
 
 
@@ -1422,87 +1421,146 @@ def _check_means(comp: HloComputation, info: dict, sources: dict[HloInstruction,
     `exits` (`_leaving_the_groups`' items, in a pmap step) must have degree 0 too: a mean is the same
     whether the group's sum divided by k or the group's own divisor makes it, so each device's
     output is its group's."""
-    across_devices = axis_size > 0
-    shares = _moving_average_shares(comp, axis_size) if across_devices else set()
-    system = _DegreeSystem()
-    memo: dict[HloInstruction, tuple | None] = {}
+    degrees = _Degrees(comp, info, sources, over_axis, axis_size)
+    system = degrees.system
+    for batch_sum in sums:
+        found = degrees.demand(batch_sum.value)
+        if not found:
+            raise Refusal(f"%{batch_sum.value.name} all-reduces over the batch axis what is not a sum over the batch")
+        if not degrees.across_devices:
+            system.equal(found[0].expression, system.number(1), batch_sum.value)
+        batch_sum.count = max(found[0].elements) * batch_sum.scale
+    for instr in comp.instructions:
+        if _none(info.get(instr)) or instr.opcode == "tuple":   # a tuple only passes its elements on
+            continue
+        for operand in instr.operands:
+            if _none(info.get(operand)):
+                for found in degrees.demand(operand):
+                    system.equal(found.expression, system.number(0), operand, into=instr)
+    root = comp.root
+    for item in exits:
+        value, into = ((root.operand(item[1]) if root.opcode == "tuple" else root, root) if item[0] == "output"
+                       else item[1:])
+        for found in degrees.demand(value):
+            system.equal(found.expression, system.number(0), value, into=into)
+    system.solve()
 
-    def summed(all_reduce: HloInstruction, element):
-        """An all-reduce over the batch axis sums the count elements of each of its devices."""
-        if element is None or _over_single_devices(all_reduce):
-            return element
-        if not over_axis(all_reduce):
-            raise Refusal(f"%{all_reduce.name} all-reduces a sum over the batch over other devices than the "
-                          f"batch axis")
-        devices = len(all_reduce.attrs["replica_groups"].groups[0])
-        expression, counts, elements = element
-        if not across_devices:
-            return expression, frozenset(c * devices for c in counts), elements
-        return (system.add(expression, system.number(1)), counts | {c * devices for c in elements}, elements)
 
-    def own(instr: HloInstruction) -> bool:
-        """Counting in the devices: a device's own value, of degree 0 whatever it is computed from,
-        unless it is the arithmetic that may scale a device's sums by 1/D before an all-reduce."""
-        return across_devices and _per_example(instr, info) and instr.opcode not in _LOCAL_ARITHMETIC
+@dataclasses.dataclass
+class _Degree:
+    """A value the sums reach: its degree (a `_DegreeSystem` expression), the counts its constants
+    may divide by, the elements its devices' own sums sum."""
+    expression: dict
+    counts: frozenset
+    elements: frozenset
 
-    def inputs(instr: HloInstruction) -> list:
+    def __hash__(self):   # the engine keys states
+        return hash((frozenset(self.expression.items()), self.counts, self.elements))
+
+
+class _Degrees(ForwardLattice):
+    """The degree of each value of `comp` (`_check_means`): a `_Degree`, None where no sum reaches
+    it, or the `Refusal` that reading it as a mean meets; a tuple for an all-reduce's elements.
+
+    A client of `ForwardDataflow`, which passes each element of an all-reduce on to its
+    get-tuple-element; nothing is descended into. The engine evaluates every value, so the
+    equations each instruction needs and its refusal count only once `demand` asks for a value
+    computed from it (what the examples read, not a moving average or the loss)."""
+
+    def __init__(self, comp: HloComputation, info: dict, sources: dict[HloInstruction, int], over_axis,
+                 axis_size: int):
+        self.info, self.sources, self.over_axis, self.axis_size = info, sources, over_axis, axis_size
+        self.across_devices = axis_size > 0
+        self.shares = _moving_average_shares(comp, axis_size) if self.across_devices else set()
+        self.system = _DegreeSystem()
+        self._equations: dict[HloInstruction, list] = {}   # instr -> the pairs of degrees it needs equal
+        self._demanded: set[HloInstruction] = set()
+        self._flow = ForwardDataflow(self, comp)
+
+    def demand(self, value: HloInstruction) -> list[_Degree]:
+        """The degrees of `value` (of its elements) that the sums reach. Adds the equations of what it
+        is computed from to the system, operands first, and raises the first refusal among them."""
+        stack = [value]
+        while stack:
+            instr = stack.pop()
+            waiting = [o for o in self._inputs(instr) if o not in self._demanded]
+            if waiting:
+                stack += [instr, *waiting]
+            elif instr not in self._demanded:
+                self._demanded.add(instr)
+                for refusal in (s for s in _leaves(self._flow.value(instr)) if isinstance(s, Refusal)):
+                    raise refusal
+                for a, b in self._equations.get(instr, ()):
+                    self.system.equal(a, b, instr)
+        return [s for s in _leaves(self._flow.value(value)) if s is not None]
+
+    def _inputs(self, instr: HloInstruction) -> list:
         """The values `instr`'s degree is computed from."""
-        if own(instr):
+        if instr in self.sources or self._own(instr):
             return []
         if instr.opcode == "get-tuple-element" and instr.operand(0).opcode == "all-reduce":
             return [instr.operand(0).operand(instr.attrs["index"])]
-        if instr.opcode == "all-reduce":
-            return [] if instr.shape.is_tuple else [instr.operand(0)]
         return list(instr.operands)
 
-    def degree(value: HloInstruction):
-        """(degree, counts, elements) of a value the sums reach: the degree a `_DegreeSystem`
-        expression, the counts its constants may divide by, the elements its devices' own sums
-        sum; None for a value they do not reach. Computed operands first, without recursion: one
-        example per device, a device's own values go back through the whole forward pass."""
-        stack = [value]
-        while stack:
-            instr = stack[-1]
-            if instr in memo or instr in sources:
-                stack.pop()
-                continue
-            waiting = [o for o in inputs(instr) if o not in memo and o not in sources]
-            if waiting:
-                stack += waiting
-                continue
-            memo[instr] = evaluate(instr, [memo[o] if o in memo else source(o) for o in inputs(instr)])
-            stack.pop()
-        return memo[value] if value in memo else source(value)
+    def _own(self, instr: HloInstruction) -> bool:
+        """Counting in the devices: a device's own value, of degree 0 whatever it is computed from,
+        unless it is the arithmetic that may scale a device's sums by 1/D before an all-reduce."""
+        return self.across_devices and _per_example(instr, self.info) and instr.opcode not in _LOCAL_ARITHMETIC
 
-    def source(instr: HloInstruction):
-        counts = {axis_size} if across_devices else {sources[instr]}
-        return system.number(0 if across_devices else 1), frozenset(counts), frozenset({sources[instr]})
-
-    def a_devices_own(instr: HloInstruction):
+    def _devices_own(self, instr: HloInstruction) -> _Degree:
         elements = (math.prod(instr.operand(0).shape.dims[d] for d in instr.attrs["dimensions"])
                     if instr.opcode == "reduce" else 1)
-        return system.number(0), frozenset({axis_size}), frozenset({elements})
+        return _Degree(self.system.number(0), frozenset({self.axis_size}), frozenset({elements}))
 
-    def evaluate(instr: HloInstruction, ins: list):
-        if own(instr):
-            return a_devices_own(instr)
-        if instr.opcode == "get-tuple-element" and instr.operand(0).opcode == "all-reduce":
-            return summed(instr.operand(0), ins[0])
+    def join(self, a, b):
+        """Only for a value analysed in several contexts, which nothing descended into makes here:
+        one of two degrees is not a mean the pass can prove."""
+        if a == b or b is None or isinstance(a, Refusal):
+            return a
+        return b if a is None or isinstance(b, Refusal) else Refusal(
+            "a value has two degrees in its count: not a mean the pass can prove")
+
+    def parameter(self, param: HloInstruction):
+        return self.transfer(param, [])
+
+    def descends(self, instr: HloInstruction, operands: list) -> bool:
+        return False
+
+    def transfer(self, instr: HloInstruction, operands: list):
+        if instr in self.sources:
+            count = self.sources[instr]
+            return _Degree(self.system.number(0 if self.across_devices else 1),
+                           frozenset({self.axis_size if self.across_devices else count}), frozenset({count}))
+        if instr.opcode == "all-reduce" and instr.shape.is_tuple:   # each element for its get-tuple-element
+            return tuple(self._summed(instr, x) for x in operands)
+        if self._own(instr):
+            return self._devices_own(instr)
         if instr.opcode == "all-reduce":
-            return summed(instr, ins[0]) if ins else None
-        reached = [d for d in ins if d is not None]
+            return self._summed(instr, operands[0])
+        reached = [x for o in operands for x in _leaves(o) if x is not None]
         if not reached:   # a device's own value is not a function of D
-            return a_devices_own(instr) if across_devices and _per_example(instr, info) else None
-        counts = frozenset().union(*(c for _, c, _ in reached))
-        if not across_devices and len({c for _, c, _ in reached}) != 1:
-            raise Refusal(f"%{instr.name} combines sums of different counts {sorted(counts)} before the examples "
-                          f"read them: not a batch statistic the pass can prove")
-        elements = frozenset().union(*(e for _, _, e in reached))
-        op = instr.opcode
-        if across_devices and op == "reduce" and _per_example(instr.operand(0), info):   # a device's own sum
+            return self._devices_own(instr) if self.across_devices and _per_example(instr, self.info) else None
+        refused = [x for x in reached if isinstance(x, Refusal)]
+        if refused:
+            return refused[0]
+        counts = frozenset().union(*(d.counts for d in reached))
+        if not self.across_devices and len({d.counts for d in reached}) != 1:
+            return Refusal(f"%{instr.name} combines sums of different counts {sorted(counts)} before the examples "
+                           f"read them: not a batch statistic the pass can prove")
+        elements = frozenset().union(*(d.elements for d in reached))
+        if self.across_devices and instr.opcode == "reduce" and _per_example(instr.operand(0), self.info):
             elements = frozenset(e * math.prod(instr.operand(0).shape.dims[d] for d in instr.attrs["dimensions"])
-                                 for e in elements)
-        known = [d[0] if d is not None else system.number(-1) if o in shares and op == "multiply" else
+                                 for e in elements)   # a device's own sum
+        return _Degree(self._degree(instr, operands, reached, counts), counts, elements)
+
+    def _degree(self, instr: HloInstruction, ins: list, reached: list[_Degree], counts: frozenset) -> dict:
+        """The degree of `instr`'s value from its operands' states `ins`, recording the equations it needs."""
+        system, op = self.system, instr.opcode
+        equations = self._equations.setdefault(instr, [])
+        if any(isinstance(x, tuple) for x in ins):   # what reads a tuple whole reads degree 0
+            equations += [(d.expression, system.number(0)) for d in reached]
+            return system.number(0)
+        known = [d.expression if d is not None else system.number(-1) if o in self.shares and op == "multiply" else
                  (system.constant(o, counts, op == "divide" and k == 1)
                   if op in ("multiply", "divide") else system.number(0))
                  for k, (d, o) in enumerate(zip(ins, instr.operands))]
@@ -1510,53 +1568,42 @@ def _check_means(comp: HloComputation, info: dict, sources: dict[HloInstruction,
         together = [d for d, o in zip(known, instr.operands) if folded_scalar_constant(o) != 0.0]
         if op in _PASS_THROUGH:
             if op in ("concatenate", "pad"):
-                for other in together[1:]:
-                    system.equal(together[0], other, instr)
-            result = known[0]
-        elif op in _SAME_DEGREE or op == "select":
+                equations += [(together[0], other) for other in together[1:]]
+            return known[0]
+        if op in _SAME_DEGREE or op == "select":
             values = [d for d, o in zip(known, instr.operands) if folded_scalar_constant(o) != 0.0
                       and (op != "select" or o is not instr.operand(0))]
-            for other in values[1:]:
-                system.equal(values[0], other, instr)
-            result = values[0] if values else known[-1]
-        elif op == "compare":
-            system.equal(known[0], known[1], instr)
-            result = system.number(0)
-        elif op == "multiply":
-            result = system.add(known[0], known[1])
-        elif op == "divide":
-            result = system.add(known[0], system.scale(known[1], -1))
-        elif op in _POWERS:
-            result = system.scale(known[0], _POWERS[op])
-        else:
-            for d in known:
-                system.equal(d, system.number(0), instr)
-            result = system.number(0)
-        return result, counts, elements
+            equations += [(values[0], other) for other in values[1:]]
+            return values[0] if values else known[-1]
+        if op == "compare":
+            equations.append((known[0], known[1]))
+            return system.number(0)
+        if op == "multiply":
+            return system.add(known[0], known[1])
+        if op == "divide":
+            return system.add(known[0], system.scale(known[1], -1))
+        if op in _POWERS:
+            return system.scale(known[0], _POWERS[op])
+        equations += [(d, system.number(0)) for d in known]
+        return system.number(0)
 
-    for batch_sum in sums:
-        found = degree(batch_sum.value)
-        if found is None:
-            raise Refusal(f"%{batch_sum.value.name} all-reduces over the batch axis what is not a sum over the batch")
-        if not across_devices:
-            system.equal(found[0], system.number(1), batch_sum.value)
-        batch_sum.count = max(found[2]) * batch_sum.scale
-    for instr in comp.instructions:
-        if _none(info.get(instr)) or instr.opcode == "tuple":   # a tuple only passes its elements on
-            continue
-        for operand in instr.operands:
-            if _none(info.get(operand)):
-                found = degree(operand)
-                if found is not None:
-                    system.equal(found[0], system.number(0), operand, into=instr)
-    root = comp.root
-    for item in exits:
-        value, into = ((root.operand(item[1]) if root.opcode == "tuple" else root, root) if item[0] == "output"
-                       else item[1:])
-        found = degree(value)
-        if found is not None:
-            system.equal(found[0], system.number(0), value, into=into)
-    system.solve()
+    def _summed(self, all_reduce: HloInstruction, element):
+        """An all-reduce over the batch axis sums the count elements of each of its devices."""
+        if not isinstance(element, _Degree) or _over_single_devices(all_reduce):
+            return element
+        if not self.over_axis(all_reduce):
+            return Refusal(f"%{all_reduce.name} all-reduces a sum over the batch over other devices than the "
+                           f"batch axis")
+        devices = len(all_reduce.attrs["replica_groups"].groups[0])
+        if not self.across_devices:
+            return _Degree(element.expression, frozenset(c * devices for c in element.counts), element.elements)
+        return _Degree(self.system.add(element.expression, self.system.number(1)),
+                       element.counts | {c * devices for c in element.elements}, element.elements)
+
+
+def _leaves(state) -> list:
+    """A state's leaf states: its elements', for a tuple-shaped value's."""
+    return [x for s in state for x in _leaves(s)] if isinstance(state, tuple) else [state]
 
 
 def _moving_average_shares(comp: HloComputation, devices: int) -> set[HloInstruction]:
