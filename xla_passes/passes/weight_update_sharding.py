@@ -31,8 +31,9 @@ all-reduce of a floating-point gradient (an array all-reduce, a leaf of a combin
 tuple all-reduce, or an all-reduce of an all-reduced value as JAX emits for pmean of
 an invariant gradient), the update region grows through elementwise instructions of
 the gradient's shape (and `kLoop` fusions made only of such instructions), forward to
-its users and backward to operands used only inside it. It also takes in statistics that
-span some of the gradient's dimensions (Adafactor's factored second moments): a reduce
+its users and backward to operands used only inside it (clients of the dataflow engine,
+`analysis/dataflow.py`: a user is judged once all its operands are). It also takes in
+statistics that span some of the gradient's dimensions (Adafactor's factored second moments): a reduce
 of some dimensions of a region value, elementwise instructions on such values, and their
 broadcasts back to the gradient's shape. Inside the region every value becomes its shard
 (in place: a new shape and new operands); scalar broadcasts stay broadcasts; other
@@ -72,6 +73,7 @@ from hlo_tools.ir.shape import FLOAT_DTYPES
 from hlo_tools.ir.shape_inference import infer_shape
 
 from ..analysis.collectives import reducer_opcode, slices_are_contiguous
+from ..analysis.dataflow import BackwardDataflow, BackwardLattice, ForwardDataflow, ForwardLattice
 from ..analysis.elementwise import elementwise_like, is_scalar_broadcast
 from ..analysis.reachability import operand_connected_components
 from ..analysis.reductions import (full_reduction_of, is_collapsible_block_reduction, is_norm_fusion,
@@ -534,39 +536,15 @@ class _ComputationSharder:
         return regions
 
     def _grow(self, key, full_dims, tops: list[_Leaf]) -> list[_Region]:
-        analysis = self._analysis(key)
-        seeds = [v for top in tops for v in top.values]
-        all_axes = tuple(range(len(full_dims)))
-        members = {seed: all_axes for seed in seeds}   # member -> the weight's dimensions it spans
-        blocked: dict[HloInstruction, HloInstruction] = {}  # elementwise users held back, and why
-        work = list(seeds)
-        while work:
-            value = work.pop()
-            for user in value.users:
-                if user in members:
-                    continue
-                axes = _spanned_axes(user, members, full_dims)
-                if axes is None:
-                    continue
-                differing = [o for o in user.operands if o not in members and not analysis.is_replicated(o)]
-                if differing:
-                    blocked[user] = differing[0]
-                    continue
-                members[user] = axes
-                work.append(user)
-        grown = True
-        while grown:  # pull in replicated elementwise operands used only inside the region
-            grown = False
-            for member, axes in list(members.items()):
-                for operand in member.operands:
-                    if (operand not in members and elementwise_like(operand, tuple(full_dims[a] for a in axes))
-                            and analysis.is_replicated(operand) and not operand.is_root
-                            and all(u in members and members[u] == axes for u in operand.users)):
-                        members[operand] = axes
-                        grown = True
+        """The regions of gradient leaves `tops`: forward from them (`_UpdateSpans`), then back to the
+        replicated operands used only inside (`_PulledIn`); one region per connected set of members."""
+        spans = _UpdateSpans(self.comp, tops, full_dims, self._analysis(key))
+        pulling = _PulledIn(spans)
+        users = BackwardDataflow(pulling, self.comp)
+        members = {v: axes for v in self._order if (axes := pulling.span(v, users.value(v))) is not None}
         components = sorted(operand_connected_components(set(members)), key=lambda c: min(self._order[m] for m in c))
-        projections = {m: axes for m, axes in members.items() if axes != all_axes}
-        return [self._describe_region(key, component, tops, blocked, projections) for component in components]
+        projections = {m: axes for m, axes in members.items() if axes != spans.all_axes}
+        return [self._describe_region(key, component, tops, spans.blocked, projections) for component in components]
 
     def _describe_region(self, key, component: set, tops: list[_Leaf], blocked, projections) -> _Region:
         """The region of one connected set of members: what it slices, where its values go."""
@@ -1609,21 +1587,106 @@ def _is_gradient_shape(shape: Shape) -> bool:
     return shape.is_array and shape.rank > 0 and shape.dtype in FLOAT_DTYPES and not shape.is_dynamic
 
 
-def _spanned_axes(user: HloInstruction, members: dict, full_dims: tuple[int, ...]) -> tuple[int, ...] | None:
+_NO_USERS = ()   # `_PulledIn`'s state of a value before its users are counted (no span is empty)
+
+
+class _UpdateSpans(ForwardLattice):
+    """The update region grown forward from the gradient leaves `tops`, a `ForwardDataflow` client
+    within `comp` (it enters no call, loop or conditional): a value's state is the weight's
+    dimensions it spans when it is in the region (a tuple of axes; region values are arrays, so
+    the engine never takes one for a tuple-shaped value's), else None. With operands before their
+    users, a user is judged on its operands' final states: one whose region operands span
+    different dimensions stays out, even where one of them joins only on a later path."""
+
+    def __init__(self, comp: HloComputation, tops: list[_Leaf], full_dims: tuple[int, ...],
+                 analysis: ReplicationAnalysis):
+        self.full_dims, self.analysis = full_dims, analysis
+        self.all_axes = tuple(range(len(full_dims)))
+        self.seeds = {v for top in tops for v in top.values}
+        self._leaves: dict[HloInstruction, set] = {}   # all-reduce -> its seeded leaf indices (None: all of it)
+        for top in tops:
+            self._leaves.setdefault(top.all_reduce, set()).add(top.index)
+        self.blocked: dict[HloInstruction, HloInstruction] = {}   # users held back, and the operand why
+        self._flow = ForwardDataflow(self, comp)
+
+    def span(self, value: HloInstruction):
+        """The dimensions `value` spans in the region, None when it is not in it."""
+        return self._in_region(value, self._flow.value(value))
+
+    def _in_region(self, value: HloInstruction, state):
+        """`state`, unless the engine carried it into a tuple or out of a get-tuple-element: the region
+        takes in only the gradient leaves' own get-tuple-elements (`_spanned_axes` takes no tuple)."""
+        return state if value.shape.is_array and (value.opcode != "get-tuple-element" or value in self.seeds) \
+            else None
+
+    def join(self, a, b):
+        return a if a == b else None
+
+    def parameter(self, param: HloInstruction):
+        return None
+
+    def descends(self, instr: HloInstruction, operands: list) -> bool:
+        return False
+
+    def transfer(self, instr: HloInstruction, operands: list):
+        if instr in self._leaves:
+            indices = self._leaves[instr]
+            return self.all_axes if None in indices else tuple(
+                self.all_axes if index in indices else None for index in range(instr.operand_count))
+        spans = [self._in_region(o, state) for o, state in zip(instr.operands, operands)]
+        axes = _spanned_axes(instr, spans, self.full_dims)
+        if axes is None:
+            return None
+        differing = [o for o, span in zip(instr.operands, spans) if span is None and not self.analysis.is_replicated(o)]
+        if differing:
+            self.blocked[instr] = differing[0]
+            return None
+        return axes
+
+
+class _PulledIn(BackwardLattice):
+    """The region's replicated elementwise operands used only inside it (a `BackwardDataflow`
+    client, users before the values they read): a value's state is the span that all its users
+    have in the region (`_NO_USERS` before any is counted, None when they differ or one is out)."""
+
+    def __init__(self, spans: _UpdateSpans):
+        self.spans = spans
+
+    def span(self, value: HloInstruction, users_span):
+        """The dimensions `value` spans in the region, grown forward or pulled in with its users' span."""
+        axes = self.spans.span(value)
+        if axes is None and users_span not in (None, _NO_USERS) and not value.is_root \
+                and elementwise_like(value, tuple(self.spans.full_dims[a] for a in users_span)) \
+                and self.spans.analysis.is_replicated(value):
+            axes = users_span
+        return axes
+
+    def join(self, a, b):
+        return b if a == _NO_USERS else a if b == _NO_USERS or a == b else None
+
+    def unused(self, instr: HloInstruction):
+        return _NO_USERS
+
+    def transfer(self, user: HloInstruction, operand_number: int, user_state):
+        return self.span(user, user_state)
+
+
+def _spanned_axes(user: HloInstruction, spans: list, full_dims: tuple[int, ...]) -> tuple[int, ...] | None:
     """The weight's dimensions that `user` spans when the update region can take it in, else None.
 
-    `members` maps the region's values to the dimensions each spans. The region takes in an
-    elementwise instruction (or kLoop fusion of them) over values that span the same dimensions,
-    a reduce of some (not all: `full_reduction_of`) of a value's dimensions with a reducer whose
-    partial results combine, from its identity, and a broadcast of a value back to the weight's
-    shape along the dimensions it spans (Adafactor's row and column statistics, `_Plan.projection_shard_shape`).
+    `spans` holds the dimensions that each operand spans, None for one outside the region. The
+    region takes in an elementwise instruction (or kLoop fusion of them) over values that span the
+    same dimensions, a reduce of some (not all: `full_reduction_of`) of a value's dimensions with a
+    reducer whose partial results combine, from its identity, and a broadcast of a value back to the
+    weight's shape along the dimensions it spans (Adafactor's row and column statistics,
+    `_Plan.projection_shard_shape`).
     """
-    spans = {members[o] for o in user.operands if o in members}
-    if len(spans) != 1:
+    distinct = set(spans) - {None}
+    if len(distinct) != 1:
         return None
-    (axes,) = spans
+    (axes,) = distinct
     if user.opcode == "reduce":
-        if user.operand_count != 2 or user.operand(0) not in members or not reduces_from_identity(user):
+        if user.operand_count != 2 or spans[0] is None or not reduces_from_identity(user):
             return None
         reduced = set(user.attrs.get("dimensions", ()))
         kept = tuple(axis for position, axis in enumerate(axes) if position not in reduced)
