@@ -31,9 +31,9 @@ all-reduce of a floating-point gradient (an array all-reduce, a leaf of a combin
 tuple all-reduce, or an all-reduce of an all-reduced value as JAX emits for pmean of
 an invariant gradient), the update region grows through elementwise instructions of
 the gradient's shape (and `kLoop` fusions made only of such instructions), forward to
-its users and backward to operands used only inside it (clients of the dataflow engine,
-`analysis/dataflow.py`: a user is judged once all its operands are). It also takes in
-statistics that span some of the gradient's dimensions (Adafactor's factored second moments): a reduce
+its users and backward to operands used only inside it (`analysis/dataflow.py`'s engine:
+a user is judged once all its operands are). It also takes in statistics that
+span some of the gradient's dimensions (Adafactor's factored second moments): a reduce
 of some dimensions of a region value, elementwise instructions on such values, and their
 broadcasts back to the gradient's shape. Inside the region every value becomes its shard
 (in place: a new shape and new operands); scalar broadcasts stay broadcasts; other
@@ -1587,25 +1587,18 @@ def _is_gradient_shape(shape: Shape) -> bool:
     return shape.is_array and shape.rank > 0 and shape.dtype in FLOAT_DTYPES and not shape.is_dynamic
 
 
-_NO_USERS = ()   # `_PulledIn`'s state of a value before its users are counted (no span is empty)
-
-
 class _UpdateSpans(ForwardLattice):
-    """The update region grown forward from the gradient leaves `tops`, a `ForwardDataflow` client
-    within `comp` (it enters no call, loop or conditional): a value's state is the weight's
-    dimensions it spans when it is in the region (a tuple of axes; region values are arrays, so
-    the engine never takes one for a tuple-shaped value's), else None. With operands before their
-    users, a user is judged on its operands' final states: one whose region operands span
-    different dimensions stays out, even where one of them joins only on a later path."""
+    """The update region grown forward from the gradient leaves `tops` (a `ForwardDataflow` client
+    that enters no call, loop or conditional): a value's state is the weight's dimensions it spans
+    when it is in the region, else None. A user is judged on its operands' final states, so one
+    whose region operands span different dimensions stays out, whichever of them is reached first."""
 
     def __init__(self, comp: HloComputation, tops: list[_Leaf], full_dims: tuple[int, ...],
                  analysis: ReplicationAnalysis):
         self.full_dims, self.analysis = full_dims, analysis
         self.all_axes = tuple(range(len(full_dims)))
-        self.seeds = {v for top in tops for v in top.values}
-        self._leaves: dict[HloInstruction, set] = {}   # all-reduce -> its seeded leaf indices (None: all of it)
-        for top in tops:
-            self._leaves.setdefault(top.all_reduce, set()).add(top.index)
+        self._seeds = {v for top in tops for v in top.values}
+        self._all_reduces = {top.all_reduce for top in tops}
         self.blocked: dict[HloInstruction, HloInstruction] = {}   # users held back, and the operand why
         self._flow = ForwardDataflow(self, comp)
 
@@ -1614,9 +1607,10 @@ class _UpdateSpans(ForwardLattice):
         return self._in_region(value, self._flow.value(value))
 
     def _in_region(self, value: HloInstruction, state):
-        """`state`, unless the engine carried it into a tuple or out of a get-tuple-element: the region
-        takes in only the gradient leaves' own get-tuple-elements (`_spanned_axes` takes no tuple)."""
-        return state if value.shape.is_array and (value.opcode != "get-tuple-element" or value in self.seeds) \
+        """`state` where `value` can be in the region: an array, and of get-tuple-elements only a gradient
+        leaf (the engine carries spans into tuples and out of get-tuple-elements; the region does not).
+        A span is a Python tuple only on arrays, which the engine never reads as a tuple's elements."""
+        return state if value.shape.is_array and (value.opcode != "get-tuple-element" or value in self._seeds) \
             else None
 
     def join(self, a, b):
@@ -1629,10 +1623,8 @@ class _UpdateSpans(ForwardLattice):
         return False
 
     def transfer(self, instr: HloInstruction, operands: list):
-        if instr in self._leaves:
-            indices = self._leaves[instr]
-            return self.all_axes if None in indices else tuple(
-                self.all_axes if index in indices else None for index in range(instr.operand_count))
+        if instr in self._all_reduces:   # each element of a combined one: `_in_region` keeps the leaves'
+            return (self.all_axes,) * instr.operand_count if instr.shape.is_tuple else self.all_axes
         spans = [self._in_region(o, state) for o, state in zip(instr.operands, operands)]
         axes = _spanned_axes(instr, spans, self.full_dims)
         if axes is None:
@@ -1645,30 +1637,31 @@ class _UpdateSpans(ForwardLattice):
 
 
 class _PulledIn(BackwardLattice):
-    """The region's replicated elementwise operands used only inside it (a `BackwardDataflow`
-    client, users before the values they read): a value's state is the span that all its users
-    have in the region (`_NO_USERS` before any is counted, None when they differ or one is out)."""
+    """The replicated elementwise values used only inside the region, pulled into it (a `BackwardDataflow`
+    client, users before the values they read): a value's state is the set of its users' spans."""
 
     def __init__(self, spans: _UpdateSpans):
         self.spans = spans
 
-    def span(self, value: HloInstruction, users_span):
-        """The dimensions `value` spans in the region, grown forward or pulled in with its users' span."""
-        axes = self.spans.span(value)
-        if axes is None and users_span not in (None, _NO_USERS) and not value.is_root \
-                and elementwise_like(value, tuple(self.spans.full_dims[a] for a in users_span)) \
-                and self.spans.analysis.is_replicated(value):
-            axes = users_span
-        return axes
+    def span(self, value: HloInstruction, user_spans: frozenset):
+        """The dimensions `value` spans in the region: grown forward, or pulled in with the span that all
+        its users have there."""
+        own = self.spans.span(value)
+        if own is not None or len(user_spans) != 1 or None in user_spans or value.is_root:
+            return own
+        (axes,) = user_spans
+        fits = elementwise_like(value, tuple(self.spans.full_dims[a] for a in axes)) \
+            and self.spans.analysis.is_replicated(value)
+        return axes if fits else None
 
     def join(self, a, b):
-        return b if a == _NO_USERS else a if b == _NO_USERS or a == b else None
+        return a | b
 
     def unused(self, instr: HloInstruction):
-        return _NO_USERS
+        return frozenset()
 
     def transfer(self, user: HloInstruction, operand_number: int, user_state):
-        return self.span(user, user_state)
+        return frozenset({self.span(user, user_state)})
 
 
 def _spanned_axes(user: HloInstruction, spans: list, full_dims: tuple[int, ...]) -> tuple[int, ...] | None:
