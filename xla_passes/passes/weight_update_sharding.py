@@ -31,7 +31,8 @@ all-reduce of a floating-point gradient (an array all-reduce, a leaf of a combin
 tuple all-reduce, or an all-reduce of an all-reduced value as JAX emits for pmean of
 an invariant gradient), the update region grows through elementwise instructions of
 the gradient's shape (and `kLoop` fusions made only of such instructions), forward to
-its users and backward to operands used only inside it. It also takes in statistics that
+its users and backward to operands used only inside it (`analysis/dataflow.py`'s engine:
+a user is judged once all its operands are). It also takes in statistics that
 span some of the gradient's dimensions (Adafactor's factored second moments): a reduce
 of some dimensions of a region value, elementwise instructions on such values, and their
 broadcasts back to the gradient's shape. Inside the region every value becomes its shard
@@ -72,6 +73,7 @@ from hlo_tools.ir.shape import FLOAT_DTYPES
 from hlo_tools.ir.shape_inference import infer_shape
 
 from ..analysis.collectives import reducer_opcode, slices_are_contiguous
+from ..analysis.dataflow import BackwardDataflow, BackwardLattice, ForwardDataflow, ForwardLattice
 from ..analysis.elementwise import elementwise_like, is_scalar_broadcast
 from ..analysis.reachability import operand_connected_components
 from ..analysis.reductions import (full_reduction_of, is_collapsible_block_reduction, is_norm_fusion,
@@ -534,39 +536,15 @@ class _ComputationSharder:
         return regions
 
     def _grow(self, key, full_dims, tops: list[_Leaf]) -> list[_Region]:
-        analysis = self._analysis(key)
-        seeds = [v for top in tops for v in top.values]
-        all_axes = tuple(range(len(full_dims)))
-        members = {seed: all_axes for seed in seeds}   # member -> the weight's dimensions it spans
-        blocked: dict[HloInstruction, HloInstruction] = {}  # elementwise users held back, and why
-        work = list(seeds)
-        while work:
-            value = work.pop()
-            for user in value.users:
-                if user in members:
-                    continue
-                axes = _spanned_axes(user, members, full_dims)
-                if axes is None:
-                    continue
-                differing = [o for o in user.operands if o not in members and not analysis.is_replicated(o)]
-                if differing:
-                    blocked[user] = differing[0]
-                    continue
-                members[user] = axes
-                work.append(user)
-        grown = True
-        while grown:  # pull in replicated elementwise operands used only inside the region
-            grown = False
-            for member, axes in list(members.items()):
-                for operand in member.operands:
-                    if (operand not in members and elementwise_like(operand, tuple(full_dims[a] for a in axes))
-                            and analysis.is_replicated(operand) and not operand.is_root
-                            and all(u in members and members[u] == axes for u in operand.users)):
-                        members[operand] = axes
-                        grown = True
+        """The regions of gradient leaves `tops`: forward from them (`_UpdateSpans`), then back to the
+        replicated operands used only inside (`_PulledIn`); one region per connected set of members."""
+        spans = _UpdateSpans(self.comp, tops, full_dims, self._analysis(key))
+        pulling = _PulledIn(spans)
+        users = BackwardDataflow(pulling, self.comp)
+        members = {v: axes for v in self._order if (axes := pulling.span(v, users.value(v))) is not None}
         components = sorted(operand_connected_components(set(members)), key=lambda c: min(self._order[m] for m in c))
-        projections = {m: axes for m, axes in members.items() if axes != all_axes}
-        return [self._describe_region(key, component, tops, blocked, projections) for component in components]
+        projections = {m: axes for m, axes in members.items() if axes != spans.all_axes}
+        return [self._describe_region(key, component, tops, spans.blocked, projections) for component in components]
 
     def _describe_region(self, key, component: set, tops: list[_Leaf], blocked, projections) -> _Region:
         """The region of one connected set of members: what it slices, where its values go."""
@@ -1609,21 +1587,99 @@ def _is_gradient_shape(shape: Shape) -> bool:
     return shape.is_array and shape.rank > 0 and shape.dtype in FLOAT_DTYPES and not shape.is_dynamic
 
 
-def _spanned_axes(user: HloInstruction, members: dict, full_dims: tuple[int, ...]) -> tuple[int, ...] | None:
+class _UpdateSpans(ForwardLattice):
+    """The update region grown forward from the gradient leaves `tops` (a `ForwardDataflow` client
+    that enters no call, loop or conditional): a value's state is the weight's dimensions it spans
+    when it is in the region, else None. A user is judged on its operands' final states, so one
+    whose region operands span different dimensions stays out, whichever of them is reached first."""
+
+    def __init__(self, comp: HloComputation, tops: list[_Leaf], full_dims: tuple[int, ...],
+                 analysis: ReplicationAnalysis):
+        self.full_dims, self.analysis = full_dims, analysis
+        self.all_axes = tuple(range(len(full_dims)))
+        self._seeds = {v for top in tops for v in top.values}
+        self._all_reduces = {top.all_reduce for top in tops}
+        self.blocked: dict[HloInstruction, HloInstruction] = {}   # users held back, and the operand why
+        self._flow = ForwardDataflow(self, comp)
+
+    def span(self, value: HloInstruction):
+        """The dimensions `value` spans in the region, None when it is not in it."""
+        return self._in_region(value, self._flow.value(value))
+
+    def _in_region(self, value: HloInstruction, state):
+        """`state` where `value` can be in the region: an array, and of get-tuple-elements only a gradient
+        leaf (the engine carries spans into tuples and out of get-tuple-elements; the region does not).
+        A span is a Python tuple only on arrays, which the engine never reads as a tuple's elements."""
+        return state if value.shape.is_array and (value.opcode != "get-tuple-element" or value in self._seeds) \
+            else None
+
+    def join(self, a, b):
+        return a if a == b else None
+
+    def parameter(self, param: HloInstruction):
+        return None
+
+    def descends(self, instr: HloInstruction, operands: list) -> bool:
+        return False
+
+    def transfer(self, instr: HloInstruction, operands: list):
+        if instr in self._all_reduces:   # each element of a combined one: `_in_region` keeps the leaves'
+            return (self.all_axes,) * instr.operand_count if instr.shape.is_tuple else self.all_axes
+        spans = [self._in_region(o, state) for o, state in zip(instr.operands, operands)]
+        axes = _spanned_axes(instr, spans, self.full_dims)
+        if axes is None:
+            return None
+        differing = [o for o, span in zip(instr.operands, spans) if span is None and not self.analysis.is_replicated(o)]
+        if differing:
+            self.blocked[instr] = differing[0]
+            return None
+        return axes
+
+
+class _PulledIn(BackwardLattice):
+    """The replicated elementwise values used only inside the region, pulled into it (a `BackwardDataflow`
+    client, users before the values they read): a value's state is the set of its users' spans."""
+
+    def __init__(self, spans: _UpdateSpans):
+        self.spans = spans
+
+    def span(self, value: HloInstruction, user_spans: frozenset):
+        """The dimensions `value` spans in the region: grown forward, or pulled in with the span that all
+        its users have there."""
+        own = self.spans.span(value)
+        if own is not None or len(user_spans) != 1 or None in user_spans or value.is_root:
+            return own
+        (axes,) = user_spans
+        fits = elementwise_like(value, tuple(self.spans.full_dims[a] for a in axes)) \
+            and self.spans.analysis.is_replicated(value)
+        return axes if fits else None
+
+    def join(self, a, b):
+        return a | b
+
+    def unused(self, instr: HloInstruction):
+        return frozenset()
+
+    def transfer(self, user: HloInstruction, operand_number: int, user_state):
+        return frozenset({self.span(user, user_state)})
+
+
+def _spanned_axes(user: HloInstruction, spans: list, full_dims: tuple[int, ...]) -> tuple[int, ...] | None:
     """The weight's dimensions that `user` spans when the update region can take it in, else None.
 
-    `members` maps the region's values to the dimensions each spans. The region takes in an
-    elementwise instruction (or kLoop fusion of them) over values that span the same dimensions,
-    a reduce of some (not all: `full_reduction_of`) of a value's dimensions with a reducer whose
-    partial results combine, from its identity, and a broadcast of a value back to the weight's
-    shape along the dimensions it spans (Adafactor's row and column statistics, `_Plan.projection_shard_shape`).
+    `spans` holds the dimensions that each operand spans, None for one outside the region. The
+    region takes in an elementwise instruction (or kLoop fusion of them) over values that span the
+    same dimensions, a reduce of some (not all: `full_reduction_of`) of a value's dimensions with a
+    reducer whose partial results combine, from its identity, and a broadcast of a value back to the
+    weight's shape along the dimensions it spans (Adafactor's row and column statistics,
+    `_Plan.projection_shard_shape`).
     """
-    spans = {members[o] for o in user.operands if o in members}
-    if len(spans) != 1:
+    distinct = set(spans) - {None}
+    if len(distinct) != 1:
         return None
-    (axes,) = spans
+    (axes,) = distinct
     if user.opcode == "reduce":
-        if user.operand_count != 2 or user.operand(0) not in members or not reduces_from_identity(user):
+        if user.operand_count != 2 or spans[0] is None or not reduces_from_identity(user):
             return None
         reduced = set(user.attrs.get("dimensions", ()))
         kept = tuple(axis for position, axis in enumerate(axes) if position not in reduced)
