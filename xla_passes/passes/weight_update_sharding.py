@@ -579,7 +579,8 @@ class _ComputationSharder:
                     if u in blocked or not _is_fixable_use(u)]
         stopping.sort(key=lambda use: _control_flow_entered(use[1]) is None)
         for member, user in stopping[:1] or region.blocking[:1]:
-            region.blocking_reason = _use_reason(member, user, blocked.get(user))
+            region.blocking_reason = _mixed_spans_reason(user, component, projections) or _use_reason(
+                member, user, blocked.get(user))
         return region
 
     def _leaves_step(self, user: HloInstruction) -> bool:
@@ -1726,6 +1727,18 @@ def _use_reason(member: HloInstruction, user: HloInstruction, differing: HloInst
                   f"continues inside its computations, which the pass does not shard (a lax.cond such as "
                   f"optax.MultiSteps's with should_skip_update_fn, or a loop)")
     return reason
+
+
+def _mixed_spans_reason(user: HloInstruction, component: set, projections: dict) -> str:
+    """Why `user` stays out when it combines region values that span different dimensions of the
+    weight (a row statistic with a column one): neither's shard is a slice of the result ("" if not)."""
+    spans = {o.name: projections.get(o, "all") for o in user.operands if o in component}
+    if len(set(spans.values())) < 2:
+        return ""
+    listed = ", ".join(f"%{name} {'every dimension' if axes == 'all' else 'dimensions ' + str(list(axes))}"
+                       for name, axes in spans.items())
+    return (f"%{user.name} ({user.opcode}) combines update values that span different dimensions of the "
+            f"weight ({listed}): no shard of it is a slice of each")
 
 
 def _control_flow_entered(user: HloInstruction) -> HloInstruction | None:
