@@ -268,11 +268,12 @@ def _fold_into_fusions(product: HloInstruction, value: HloInstruction, group_siz
         m = f32[512] fusion(m0, g), kind=kLoop, calls=update    (update: p1, ...)
     """
     module = product.parent.parent
+    callers = module.callers()
     for user in list(product.users):
         if user.opcode != "fusion" or user.attrs.get("kind") not in ("kLoop", "kInput"):
             continue
         body = user.attrs["calls"]
-        if len(module.callers().get(body, ())) > 1:
+        if len(callers.get(body, ())) > 1:
             body = module.clone_computation(body, suffix="scaled")
             user.attrs["calls"] = body
         for number, operand in enumerate(user.operands):
