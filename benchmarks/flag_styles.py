@@ -21,7 +21,9 @@ steps are compared with plain's.
 Where XLA keeps the donation of a module a hook hands back (jaxlib 0.11.1 and newer), the hooked
 steps alias as many bytes as plain; jaxlib 0.10.2 drops it (`hlo_tools.xla.xla_bridge.hook_keeps_donation`).
 
-Run from the repository root: ``.venv/bin/python benchmarks/flag_styles.py [--steps N] [--rounds N]``.
+Run from the repository root: ``.venv/bin/python benchmarks/flag_styles.py [--steps N] [--rounds N]
+[--styles shard_map,...] [--extra PIPELINE ...]`` (`--extra`: more runs at the hook, each with its own
+pipeline, e.g. `all-reduce-simplifier` or `collective-fusion{threshold_bytes=...}`).
 """
 import argparse
 import statistics
@@ -98,9 +100,9 @@ def fresh(args):
     return jax.tree.map(lambda a: a.copy() if hasattr(a, "copy") else a, args)
 
 
-def measure(style: str, steps: int, rounds: int) -> dict[str, dict]:
+def measure(style: str, steps: int, rounds: int, extra: list[str]) -> dict[str, dict]:
     runs = {}
-    for name, passes in passes_for(style).items():
+    for name, passes in {**passes_for(style), **{pipeline: pipeline for pipeline in extra}}.items():
         step, args = build(style)
         compiled, _ = compile_step(step, args, passes, strict=True)
         memory = compiled.memory_analysis()
@@ -144,11 +146,13 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration and round")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (one more runs first, untimed)")
     parser.add_argument("--styles", default=",".join(STYLES), help="comma-separated subset of " + ", ".join(STYLES))
+    parser.add_argument("--extra", action="append", default=[], metavar="PIPELINE",
+                        help="one more run at the hook with this pipeline (repeatable), e.g. all-reduce-simplifier")
     args = parser.parse_args(argv)
     results = {}
     for style in args.styles.split(","):
         print(f"[{style}] compiling and timing", file=sys.stderr, flush=True)
-        results[style] = measure(style, args.steps, args.rounds)
+        results[style] = measure(style, args.steps, args.rounds, args.extra)
     print(f"jax {jax.__version__}, jaxlib {jaxlib.__version__}, Python {sys.version.split()[0]}; XLA keeps a "
           f"hooked module's donation: {xla_bridge.hook_keeps_donation()}; MLP {WIDTHS} on {INPUT_WIDTH} inputs, "
           f"adam, batch {BATCH_PER_DEVICE} per device, 8 CPU devices, {args.rounds} rounds of {args.steps} steps")
