@@ -1,7 +1,8 @@
 """The HLO IR: modules, computations and instructions, with an editing API that keeps use-def
 lists consistent and a printer that reproduces unmodified source text byte for byte.
 
-Reading:  `module.entry.root`, `comp.instructions`, `instr.operands`, `instr.users`, `instr.attrs`.
+Reading:  `module.entry.root`, `comp.instructions`, `instr.operands`, `instr.users`, `instr.attrs`,
+          `module.callers_of(comp)` (an index that edits keep current).
 Editing:  `comp.add_instruction(...)`, `instr.replace_all_uses_with(other)`, `instr.set_operand(i, x)`,
           `instr.attrs[name] = value`, `comp.remove_instruction(instr)`, `comp.remove_instructions(batch)`,
           `comp.remove_dead_code()`, `module.clone_computation(comp)`. Every edit marks what it touched;
@@ -17,6 +18,7 @@ which parses them then; `comp.parsed` and `comp.unparsed_text` tell without pars
 """
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import Iterable
 
@@ -53,13 +55,17 @@ class _AttrDict(dict):
             old = self.get(key, ())
             super().__setitem__(key, value)
             self._instr._control_predecessors_changed(old)
+        elif key in COMPUTATION_ATTRS:
+            with self._instr._callees_changing():
+                super().__setitem__(key, value)
         else:
             super().__setitem__(key, value)
         self._instr._touch()
 
     def __delitem__(self, key):
         old = self.get(CONTROL_PREDECESSORS, ())
-        super().__delitem__(key)
+        with self._instr._callees_changing() if key in COMPUTATION_ATTRS else contextlib.nullcontext():
+            super().__delitem__(key)
         if key == CONTROL_PREDECESSORS:
             self._instr._control_predecessors_changed(old)
         self._instr._touch()
@@ -67,7 +73,8 @@ class _AttrDict(dict):
     def pop(self, key, *default):
         had = key in self
         old = self.get(CONTROL_PREDECESSORS, ())
-        value = super().pop(key, *default)
+        with self._instr._callees_changing() if key in COMPUTATION_ATTRS else contextlib.nullcontext():
+            value = super().pop(key, *default)
         if had:
             if key == CONTROL_PREDECESSORS:
                 self._instr._control_predecessors_changed(old)
@@ -76,7 +83,8 @@ class _AttrDict(dict):
 
     def update(self, *args, **kwargs):
         old = self.get(CONTROL_PREDECESSORS, ())
-        super().update(*args, **kwargs)
+        with self._instr._callees_changing():
+            super().update(*args, **kwargs)
         if self.get(CONTROL_PREDECESSORS, ()) is not old:
             self._instr._control_predecessors_changed(old)
         self._instr._touch()
@@ -85,6 +93,19 @@ class _AttrDict(dict):
         if key not in self:
             self[key] = default
         return self[key]
+
+
+def _index_calls(index: dict, instr) -> None:
+    """Enter `instr` in a callers index (computation -> {calling instruction: None}) for each callee."""
+    for callee in instr.called_computations:
+        index.setdefault(callee, {})[instr] = None
+
+
+def _unindex_calls(index: dict, instr) -> None:
+    for callee in instr.called_computations:
+        calls = index.get(callee)
+        if calls is not None:
+            calls.pop(instr, None)
 
 
 class HloInstruction(Named):
@@ -174,6 +195,26 @@ class HloInstruction(Named):
         if self.parent is not None:
             self.parent._dirty = True
 
+    @contextlib.contextmanager
+    def _callees_changing(self):
+        """Around an edit that may change the computations this instruction calls: moves its
+        entries in the module's callers index, when the module keeps one."""
+        index = self._callers_index()
+        if index is None:
+            yield
+            return
+        _unindex_calls(index, self)
+        try:
+            yield
+        finally:
+            _index_calls(index, self)
+
+    def _callers_index(self):
+        """The module's callers index when this instruction is in a module that keeps one."""
+        comp = self.parent
+        module = comp.parent if comp is not None else None
+        return module._callers if module is not None else None
+
     def _control_predecessors_changed(self, old):
         """Move this instruction's entries in its computation's control-successor index from `old`."""
         comp = self.parent
@@ -230,7 +271,7 @@ class HloInstruction(Named):
         """Rename (the module keeps names unique) and mark every text that spells the old name."""
         if self.parent is not None and self.parent.parent is not None:
             module = self.parent.parent
-            module._names.discard(self.name)
+            module._release_name(self.name)
             name = module.unique_name(name)
         self.name = name
         self._touch()
@@ -500,14 +541,17 @@ class HloComputation(Named):
             instructions.append(instr)
         if self._control_successors is not None:
             self._index_control_edges(instr, instr.control_predecessors)
+        if (index := instr._callers_index()) is not None:
+            _index_calls(index, instr)
         self._dirty = True
 
     def _index_of(self, instr: HloInstruction) -> int:
-        """The position of `instr`: O(1) right after inserting it (a pass that inserts a run of
-        instructions, each after the one before, does not scan the list each time)."""
+        """The position of `instr`: O(1) right after inserting it or just before it (a pass that
+        inserts a run of instructions, each after the one before or each before the same one, does
+        not scan the list each time)."""
         last = self._last_insert
-        if last is not None and last[0] is instr:
-            index = last[1]
+        if last is not None:
+            index = last[1] + (last[0] is not instr)
             if index < len(self.instructions) and self.instructions[index] is instr:
                 return index
         return self.instructions.index(instr)
@@ -578,12 +622,14 @@ class HloComputation(Named):
         if instr._owner is not None:
             instr._owner._touch()
         self._release_nested(instr)
+        if (callers := instr._callers_index()) is not None:
+            _unindex_calls(callers, instr)
         instr.parent = None
         self._dirty = True
         if instr.opcode == "parameter":
             self._signature_changed()
         if self.parent is not None:
-            self.parent._names.discard(instr.name)
+            self.parent._release_name(instr.name)
 
     @staticmethod
     def _release_nested(owner: HloInstruction):
@@ -646,7 +692,9 @@ class HloModule:
         # are. Text does not say it (XLA keeps it in the module's config); whoever knows sets it.
         self.layouts_final = False
         self._names: set[str] = set()
+        self._suffixes: dict[str, int] = {}   # base -> a suffix n such that `base.1` ... `base.{n-1}` are taken
         self._unclaimed: list[HloComputation] = []  # unparsed computations whose names _names lacks
+        self._callers = None                  # computation -> {instruction calling it: None}, once asked
         self._source = None
         self._header_span = None
         self._header_stale = False
@@ -705,12 +753,25 @@ class HloModule:
         raise KeyError(f"no instruction {name!r} in module {self.name}")
 
     def callers(self) -> dict[HloComputation, list[HloInstruction]]:
-        """For every computation, the instructions that call it."""
-        out = {c: [] for c in self.computations}
-        for instr in self.instructions():
-            for callee in instr.called_computations:
-                out.setdefault(callee, []).append(instr)
+        """For every computation, the instructions that call it (a snapshot: later edits do not change it)."""
+        index = self._callers_index()
+        out = {c: list(index.get(c, ())) for c in self.computations}
+        out.update((c, list(calls)) for c, calls in index.items() if calls and c not in out)
         return out
+
+    def callers_of(self, comp: HloComputation) -> list[HloInstruction]:
+        """The instructions that call `comp`."""
+        return list(self._callers_index().get(comp, ()))
+
+    def _callers_index(self) -> dict:
+        """Computation -> the instructions calling it: built on first use (parsing every body), then kept
+        current by every edit (attribute writes, inserts, removals, added and removed computations)."""
+        if self._callers is None:
+            index = {}
+            for instr in self.instructions():
+                _index_calls(index, instr)
+            self._callers = index
+        return self._callers
 
     def computations_post_order(self) -> list[HloComputation]:
         """Computations with every callee before its callers (the order XLA prints)."""
@@ -751,12 +812,20 @@ class HloModule:
         stem, dot, suffix = base.rpartition(".")
         if dot and suffix.isdigit():
             base = stem
-        n = 1
+        n = self._suffixes.get(base, 1)   # the lowest free suffix, without probing the taken ones again
         while f"{base}.{n}" in names:
             n += 1
         name = f"{base}.{n}"
         names.add(name)
+        self._suffixes[base] = n + 1
         return name
+
+    def _release_name(self, name: str) -> None:
+        """`name` is free again (and so the lowest free suffix of its base may be lower)."""
+        self._names.discard(name)
+        stem, dot, suffix = name.rpartition(".")
+        if dot and suffix.isdigit() and int(suffix) < self._suffixes.get(stem, 1):
+            self._suffixes[stem] = int(suffix)
 
     def _claimed_names(self) -> set[str]:
         """Every name in the module, those in bodies not parsed yet included (read from their text)."""
@@ -783,22 +852,33 @@ class HloModule:
             self.computations.append(comp)
         if comp.is_entry:
             self.entry = comp
+        if self._callers is not None:
+            for instr in comp.instructions:
+                _index_calls(self._callers, instr)
         self._dirty = True
         return comp
 
     def remove_computation(self, comp: HloComputation):
         if comp is self.entry:
             raise ValueError("cannot remove the entry computation")
-        callers = self.callers().get(comp)
+        callers = self.callers_of(comp)
         if callers:
             raise ValueError(f"cannot remove {comp.name}: called by {', '.join(i.name for i in callers)}")
         self.computations.remove(comp)
         self._gaps.pop(comp, None)
+        self._forget_calls_of(comp)
         for instr in comp.instructions:
-            self._names.discard(instr.name)
-        self._names.discard(comp.name)
+            self._release_name(instr.name)
+        self._release_name(comp.name)
         comp.parent = None
         self._dirty = True
+
+    def _forget_calls_of(self, comp: HloComputation) -> None:
+        """Take the calls that `comp` (leaving the module) makes out of the callers index."""
+        if self._callers is not None:
+            self._callers.pop(comp, None)
+            for instr in comp.instructions:
+                _unindex_calls(self._callers, instr)
 
     def clone_computation(self, comp: HloComputation, suffix: str = "clone",
                           replacements: dict | None = None) -> HloComputation:
@@ -843,6 +923,7 @@ class HloModule:
         for comp in dead:
             self.computations.remove(comp)
             self._gaps.pop(comp, None)
+            self._forget_calls_of(comp)
             comp.parent = None
         if dead:
             self._dirty = True
@@ -861,6 +942,7 @@ class HloModule:
         self.__dict__.update(other.__dict__)
         for comp in self.computations:
             comp.parent = self
+        self._callers = None
 
     def set_attr(self, key: str, value):
         """Set a header attribute (e.g. `replica_count`)."""
@@ -881,7 +963,8 @@ class HloModule:
 
 # The containers each object's checkpoint copies (the rest of its state is immutable values or
 # references to objects that the checkpoint saves on their own).
-_MODULE_CONTAINERS = {"attrs": dict, "computations": list, "_names": set, "_unclaimed": list, "_gaps": dict}
+_MODULE_CONTAINERS = {"attrs": dict, "computations": list, "_names": set, "_suffixes": dict, "_unclaimed": list,
+                      "_gaps": dict}
 _COMPUTATION_CONTAINERS = {"instructions": list, "_gaps": dict}
 _INSTRUCTION_CONTAINERS = {"_operands": list, "users": list}
 
@@ -912,6 +995,7 @@ class ModuleCheckpoint:
     def __init__(self, module: HloModule):
         self.module = module
         self._module_state = _saved_state(module, _MODULE_CONTAINERS)
+        self._module_state.update(_callers=None, _suffixes={})   # indexes, rebuilt on first use
         self._computations = []
         self._instructions = []
         for comp in module.computations:

@@ -248,6 +248,7 @@ class _Verifier:
         for comp in computations:
             self.check_structure(comp)
         self.check_call_graph()
+        self.check_callers_index()
         instructions = (self._edited_instructions(computations) if edited_only
                         else [instr for comp in computations for instr in comp.instructions])
         for instr in instructions:
@@ -359,6 +360,24 @@ class _Verifier:
                                              f"defined before the computations that call it; reorder "
                                              f"module.computations, e.g. as module.computations_post_order())")
                         self.callers.setdefault(callee, []).append(instr)
+
+    def check_callers_index(self):
+        """The callers that the module keeps once asked (`HloModule.callers`) are those its instructions
+        name: every edit must have kept them current, or passes would act on stale call sites."""
+        index = self.module._callers
+        if index is None:
+            return
+        actual = {}
+        for comp in self.module.computations:
+            for instr in comp.instructions:
+                for callee in instr.called_computations:
+                    actual.setdefault(callee, set()).add(instr)
+        kept = {comp: set(calls) for comp, calls in index.items() if calls}
+        if kept != actual:
+            wrong = next(c for c in {*kept, *actual} if kept.get(c) != actual.get(c))
+            raise HloVerifyError(f"internal error: the module's callers of {wrong.name} are out of date "
+                                 f"(kept {sorted(i.name for i in kept.get(wrong, ()))}, actual "
+                                 f"{sorted(i.name for i in actual.get(wrong, ()))})")
 
     # -- 2. what XLA's parser refuses -----------------------------------------------------------------------
     def check_shape_size(self, instr):

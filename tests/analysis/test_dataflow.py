@@ -7,6 +7,8 @@ The replication tests check what the engine adds to the analysis that answered b
 conditionals and calls are followed leaf by leaf, so that what a device-dependent body computes
 from its operands alone, or a loop counter, is known to be the same on every device.
 """
+import pytest
+
 import hlo_tools
 from xla_passes import PassContext
 from xla_passes.analysis.dataflow import BackwardDataflow, BackwardLattice, ForwardDataflow, ForwardLattice
@@ -546,3 +548,65 @@ ENTRY step {
     assert any(i.opcode == "reduce-scatter" for i in module.entry.instructions)
     assert asked and cached_replication_analysis(context, module.entry, [list(range(8))], REPLICA_IDS) not in asked
     assert context.analysis(("another-kind",), object) is other
+
+
+class ReadsSources(ReadsParameters):
+    """Which of the parameters `sources` a value reads: a value that reads none of them is `unreached`."""
+
+    unreached = frozenset()
+
+    def __init__(self, sources):
+        super().__init__()
+        self.sources = sources
+
+    def parameter(self, param):
+        return frozenset({param.parameter_number}) if param.parameter_number in self.sources else frozenset()
+
+
+SPARSE = """
+HloModule m
+ENTRY e {
+  a = f32[2] parameter(0)
+  b = f32[2] parameter(1)
+  c = f32[2] parameter(2)
+  na = f32[2] negate(a)
+  nb = f32[2] negate(b)
+  ab = f32[2] add(na, nb)
+  bb = f32[2] multiply(nb, nb)
+  cc = f32[2] abs(c)
+  t = (f32[2], f32[2]) tuple(ab, cc)
+  g = f32[2] get-tuple-element(t), index=1
+  ROOT out = f32[2] add(ab, g)
+}
+"""
+
+
+def test_a_sparse_run_transfers_only_what_its_sources_reach_and_agrees_with_the_dense_run():
+    """From `sources`, the engine transfers the sources and the users of values with a state (here
+    what parameter `a` reaches: not `b`'s and `c`'s own chains) and each value ends in the state the
+    dense run gives it, `unreached` for the rest."""
+    module = hlo_tools.parse_module(SPARSE)
+    entry = module.entry
+    dense = ForwardDataflow(ReadsSources({0}), entry)
+    sparse_lattice = ReadsSources({0})
+    sparse = ForwardDataflow(sparse_lattice, entry, sources=[entry.get("a")])
+    assert sorted(sparse_lattice.transferred) == ["ab", "na", "out"]   # the engine's own: a, t, g
+    assert list(sparse.reached) == [entry.get(n) for n in ("a", "na", "ab", "t", "g", "out")]
+    for instr in entry.instructions:
+        assert sparse.value(instr) == dense.value(instr), instr.name
+
+
+def test_a_backward_run_within_values_gives_them_the_dense_run_s_states():
+    """Within a set that holds every user of its values, the states are the dense run's, and
+    nothing outside it gets one; a user left outside counts as unused."""
+    module = hlo_tools.parse_module(SPARSE)
+    entry = module.entry
+    dense = BackwardDataflow(EndsInOutputs(), entry)
+    inside = [entry.get(n) for n in ("a", "na", "ab", "t", "g", "out")]
+    sparse = BackwardDataflow(EndsInOutputs(), entry, within=inside)
+    assert [sparse.value(i) for i in inside] == [dense.value(i) for i in inside]
+    assert sparse.value(entry.get("ab")) == reads(0, 1)
+    with pytest.raises(KeyError):
+        sparse.value(entry.get("nb"))
+    without_the_tuple = BackwardDataflow(EndsInOutputs(), entry, within=[entry.get(n) for n in ("a", "na", "ab", "out")])
+    assert without_the_tuple.value(entry.get("ab")) == reads(0)

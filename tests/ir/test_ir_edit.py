@@ -1,5 +1,6 @@
 """The editing API keeps use-def lists consistent, and printing after an edit keeps untouched
 text verbatim while XLA reads the edited module with the intended meaning."""
+import hypothesis
 import pytest
 
 import hlo_tools
@@ -208,3 +209,91 @@ def test_attribute_readers_take_typed_values_and_raw_text():
     with pytest.raises(ShapeInferenceError, match="attribute dimensions must be an integer list"):
         infer_shape("reverse", [Shape.array("f32", (2,))], {"dimensions": Raw("{x}")})
 
+
+
+def test_unique_names_take_the_lowest_free_suffix_again_after_a_removal():
+    """Names come as XLA's do, the lowest free suffix first, without probing the taken ones each time."""
+    m = hlo_tools.parse_module(SHORT)
+    entry, p0 = m.entry, m.entry.get("p0")
+    added = [entry.add_instruction("negate", [p0], name="neg") for _ in range(4)]
+    assert [i.name for i in added] == ["neg", "neg.1", "neg.2", "neg.3"]
+    entry.remove_instruction(added[2])
+    assert entry.add_instruction("negate", [p0], name="neg.1").name == "neg.2"
+    assert entry.add_instruction("negate", [p0], name="neg").name == "neg.4"
+    saved = m.checkpoint()
+    entry.add_instruction("negate", [p0], name="neg")
+    saved.restore()
+    assert entry.add_instruction("negate", [p0], name="neg").name == "neg.5"
+
+
+CALLS = """HloModule calls
+
+add {
+  x = f32[] parameter(0)
+  y = f32[] parameter(1)
+  ROOT s = f32[] add(x, y)
+}
+
+max {
+  x = f32[] parameter(0)
+  y = f32[] parameter(1)
+  ROOT m = f32[] maximum(x, y)
+}
+
+body {
+  p = f32[8] parameter(0)
+  ROOT n = f32[8] negate(p)
+}
+
+ENTRY main {
+  p0 = f32[8] parameter(0)
+  ar = f32[8] all-reduce(p0), replica_groups={}, to_apply=add
+  c = f32[8] call(ar), to_apply=body
+  ROOT r = f32[] reduce(c, f32[] constant(0)), dimensions={0}, to_apply=add
+}
+"""
+
+
+def _scanned_callers(module) -> dict:
+    found = {}
+    for instr in module.instructions():
+        for callee in instr.called_computations:
+            found.setdefault(callee.name, set()).add(instr.name)
+    return found
+
+
+@hypothesis.settings(max_examples=60, deadline=None)
+@hypothesis.given(hypothesis.strategies.lists(
+    hypothesis.strategies.tuples(hypothesis.strategies.sampled_from(
+        ["retarget", "add_call", "remove_call", "clone", "drop_dead", "checkpoint", "restore"]),
+        hypothesis.strategies.integers(0, 7)), max_size=12))
+def test_the_callers_index_follows_every_edit(edits):
+    """`callers_of` answers from an index that edits keep current: after any sequence of edits it
+    names exactly the instructions that call each computation, as a scan of the module does, and
+    the verifier (which compares the two) accepts the module."""
+    m = hlo_tools.parse_module(CALLS)
+    entry = m.entry
+    saved = None
+    assert {c.name: {i.name for i in calls} for c, calls in m.callers().items() if calls} == _scanned_callers(m)
+    for edit, pick in edits:
+        reducers = [c for c in m.computations if c.num_parameters == 2]
+        callers = [i for i in entry.instructions if i.opcode in ("all-reduce", "reduce") and not i.users]
+        if edit == "retarget":
+            users = [i for i in entry.instructions if "to_apply" in i.attrs and i.opcode != "call"]
+            users[pick % len(users)].attrs["to_apply"] = reducers[pick % len(reducers)]
+        elif edit == "add_call":
+            entry.add_instruction("all-reduce", [entry.get("p0")], attrs={
+                "to_apply": reducers[pick % len(reducers)], "replica_groups": hlo_tools.ReplicaGroups.of([])})
+        elif edit == "remove_call" and callers and callers[pick % len(callers)] is not entry.root:
+            entry.remove_instruction(callers[pick % len(callers)])
+        elif edit == "clone":
+            m.clone_computation(reducers[pick % len(reducers)], suffix=f"copy{pick}")
+        elif edit == "drop_dead":
+            m.remove_dead_computations()
+        elif edit == "checkpoint":
+            saved = m.checkpoint()
+        elif edit == "restore" and saved is not None:
+            saved.restore()
+        for comp in m.computations:
+            assert {i.name for i in m.callers_of(comp)} == _scanned_callers(m).get(comp.name, set()), (edit, comp.name)
+        hlo_tools.verify(m)

@@ -144,7 +144,7 @@ class ReplicationAnalysis(ForwardLattice):
         if comp.is_entry:
             return self._entry_parameter(param)
         if self._callers is None:  # read lazily: finding them parses every body of a lazily parsed module
-            self._callers = self.module.callers().get(comp, [])
+            self._callers = self.module.callers_of(comp)
         if len(self._callers) == 1 and self._callers[0].opcode == "call":
             return self._called_parameter(self._callers[0], param.parameter_number)
         return False

@@ -316,7 +316,7 @@ class DistributedBatchNorm(HloPass):
         if axis not in axis_names or not coordinates:
             raise Refusal(f"mesh {mesh_name!r} has no axis {axis!r}")
         body = call.attrs["to_apply"]
-        if len(module.callers().get(body, [])) != 1:
+        if len(module.callers_of(body)) != 1:
             raise Refusal(f"the shard_map body %{body.name} is called more than once")
         lines = _axis_lines(coordinates, axis_names.index(axis))
         return _Target(body, {number: dim for number, (dim, _, _) in sources.items()}, self._device_groups(lines),

@@ -538,10 +538,13 @@ class _ComputationSharder:
     def _grow(self, key, full_dims, tops: list[_Leaf]) -> list[_Region]:
         """The regions of gradient leaves `tops`: forward from them (`_UpdateSpans`), then back to the
         replicated operands used only inside (`_PulledIn`); one region per connected set of members."""
-        spans = _UpdateSpans(self.comp, tops, full_dims, self._analysis(key))
+        spans = _UpdateSpans(self.comp, tops, full_dims, self._analysis(key), self._order)
         pulling = _PulledIn(spans)
-        users = BackwardDataflow(pulling, self.comp)
-        members = {v: axes for v in self._order if (axes := pulling.span(v, users.value(v))) is not None}
+        grown = [v for v in spans.reached if spans.span(v) is not None]
+        inside = _read_only_inside(grown, pulling.may_pull)
+        candidates = sorted((v for v in inside if v in self._order), key=self._order.get)
+        users = BackwardDataflow(pulling, self.comp, within=candidates)
+        members = {v: axes for v in candidates if (axes := pulling.span(v, users.value(v))) is not None}
         components = sorted(operand_connected_components(set(members)), key=lambda c: min(self._order[m] for m in c))
         projections = {m: axes for m, axes in members.items() if axes != spans.all_axes}
         return [self._describe_region(key, component, tops, spans.blocked, projections) for component in components]
@@ -1174,7 +1177,7 @@ class _ShardMapBoundary:
     @classmethod
     def of(cls, module: HloModule, body: HloComputation) -> "_ShardMapBoundary | None":
         """The boundary of `body` when it is the body of one shard_map of the entry, else None."""
-        calls = module.callers().get(body, [])
+        calls = module.callers_of(body)
         if body.is_entry or len(calls) != 1 or calls[0].opcode != "call" or not calls[0].parent.is_entry:
             return None
         call = calls[0]
@@ -1595,13 +1598,16 @@ class _UpdateSpans(ForwardLattice):
     whose region operands span different dimensions stays out, whichever of them is reached first."""
 
     def __init__(self, comp: HloComputation, tops: list[_Leaf], full_dims: tuple[int, ...],
-                 analysis: ReplicationAnalysis):
+                 analysis: ReplicationAnalysis, positions: dict):
         self.full_dims, self.analysis = full_dims, analysis
         self.all_axes = tuple(range(len(full_dims)))
         self._seeds = {v for top in tops for v in top.values}
-        self._all_reduces = {top.all_reduce for top in tops}
+        self._leaf_indices: dict[HloInstruction, set] = {}   # all-reduce -> the elements that are `tops`
+        for top in tops:
+            self._leaf_indices.setdefault(top.all_reduce, set()).add(top.index)
         self.blocked: dict[HloInstruction, HloInstruction] = {}   # users held back, and the operand why
-        self._flow = ForwardDataflow(self, comp)
+        self._flow = ForwardDataflow(self, comp, sources=list(self._leaf_indices), positions=positions)
+        self.reached = self._flow.reached   # what the gradients reach: the region is among these
 
     def span(self, value: HloInstruction):
         """The dimensions `value` spans in the region, None when it is not in it."""
@@ -1624,8 +1630,10 @@ class _UpdateSpans(ForwardLattice):
         return False
 
     def transfer(self, instr: HloInstruction, operands: list):
-        if instr in self._all_reduces:   # each element of a combined one: `_in_region` keeps the leaves'
-            return (self.all_axes,) * instr.operand_count if instr.shape.is_tuple else self.all_axes
+        if instr in self._leaf_indices:   # of a combined one, the elements that are leaves
+            if not instr.shape.is_tuple:
+                return self.all_axes
+            return tuple(self.all_axes if i in self._leaf_indices[instr] else None for i in range(instr.operand_count))
         spans = [self._in_region(o, state) for o, state in zip(instr.operands, operands)]
         axes = _spanned_axes(instr, spans, self.full_dims)
         if axes is None:
@@ -1635,6 +1643,20 @@ class _UpdateSpans(ForwardLattice):
             self.blocked[instr] = differing[0]
             return None
         return axes
+
+
+def _read_only_inside(region, may_join) -> dict:
+    """`region` and the values that only it reads, transitively, of those that `may_join`: all that
+    `_PulledIn` may pull in (a value with a user elsewhere, or one whose state in the region says
+    nothing, stays out), so its backward run need look at nothing else."""
+    inside = dict.fromkeys(region)
+    stack = [o for v in inside for o in reversed(v.operands)]
+    while stack:
+        value = stack.pop()
+        if value not in inside and value.users and all(u in inside for u in value.users) and may_join(value):
+            inside[value] = None
+            stack.extend(reversed(value.operands))
+    return inside
 
 
 class _PulledIn(BackwardLattice):
@@ -1648,12 +1670,14 @@ class _PulledIn(BackwardLattice):
         """The dimensions `value` spans in the region: grown forward, or pulled in with the span that all
         its users have there."""
         own = self.spans.span(value)
-        if own is not None or len(user_spans) != 1 or None in user_spans or value.is_root:
+        if own is not None or len(user_spans) != 1 or None in user_spans or not self.may_pull(value):
             return own
         (axes,) = user_spans
-        fits = elementwise_like(value, tuple(self.spans.full_dims[a] for a in axes)) \
-            and self.spans.analysis.is_replicated(value)
-        return axes if fits else None
+        return axes if elementwise_like(value, tuple(self.spans.full_dims[a] for a in axes)) else None
+
+    def may_pull(self, value: HloInstruction) -> bool:
+        """Whether `value` may be pulled in at all: a replicated value that is not the step's result."""
+        return not value.is_root and self.spans.analysis.is_replicated(value)
 
     def join(self, a, b):
         return a | b
@@ -1786,7 +1810,7 @@ def _lift_reshapes(module: HloModule, fusion: HloInstruction, dims: tuple[int, .
     if any(i.shape.dims not in (dims, ()) for i in fused.instructions if i not in inside and not (
             (is_scalar_broadcast(i) or is_one_element_constant(i)) and all(u in inside for u in i.users))):
         return False
-    if len(module.callers().get(fused, [])) != 1:
+    if len(module.callers_of(fused)) != 1:
         fusion.attrs["calls"] = module.clone_computation(fused, suffix="lifted")
         return _lift_reshapes(module, fusion, dims)
     comp = fusion.parent
@@ -1897,7 +1921,7 @@ def _convert_at(module: HloModule, convert: HloInstruction, shape: Shape) -> Non
     fusions share is cloned first)."""
     if convert.opcode == "fusion":
         fused = convert.attrs["calls"]
-        if len(module.callers().get(fused, [])) != 1:
+        if len(module.callers_of(fused)) != 1:
             fused = convert.attrs["calls"] = module.clone_computation(fused, suffix="reordered")
         fused.parameter(0).set_shape(shape.with_dtype(fused.parameter(0).shape.dtype))
         fused.root.set_shape(shape.with_dtype(fused.root.shape.dtype))
@@ -1924,7 +1948,7 @@ def _read_reordered(module: HloModule, values: list[HloInstruction], users: list
                 tuple(sorted(moved[d] for d in reduced))
         elif instr.opcode == "fusion":
             fused = instr.attrs["calls"]
-            if len(module.callers().get(fused, [])) != 1:
+            if len(module.callers_of(fused)) != 1:
                 fused = instr.attrs["calls"] = module.clone_computation(fused, suffix="reordered")
             parameters = [fused.parameter(i) for i, o in enumerate(instr.operands) if o in carried]
             _read_reordered(module, parameters, [u for p in parameters for u in p.users], dims, shape, moved)
@@ -2003,7 +2027,7 @@ def _inline_fusion(fusion: HloInstruction) -> None:
     fusion calls it."""
     module, fused = fusion.parent.parent, fusion.attrs["calls"]
     inline(fusion, fused)
-    if not module.callers().get(fused):
+    if not module.callers_of(fused):
         module.remove_computation(fused)
 
 
