@@ -587,6 +587,27 @@ def clear_pass_hook(name: str, stage: str, platform: str) -> bool:
     return bool(_xla.clear_xla_transform_c_api(_xb.backends()[platform], name, number))
 
 
+# Parts added to JAX's persistent compilation cache key (`add_cache_key_part`).
+_cache_key_parts: set = set()
+
+
+def add_cache_key_part(part) -> None:
+    """Append `part()` (a string, read at each key computation) to the key of every executable
+    JAX's persistent compilation cache stores or looks up, after any `custom_hook` set before.
+
+    JAX keys an executable on the module before XLA's pass hooks run, so whatever decides what a
+    hook does must be in the key, or a compile gets another's executable from the cache. A part
+    that returns "" leaves the key as JAX computes it; adding the same part again changes nothing.
+    """
+    from jax._src import cache_key as _cache_key  # noqa: PLC0415
+
+    if part in _cache_key_parts:
+        return
+    previous = _cache_key.custom_hook
+    _cache_key.custom_hook = lambda: previous() + part()
+    _cache_key_parts.add(part)
+
+
 # --- Compiling a module XLA has already optimized ---------------------------------------------
 #
 # jaxlib 0.10.2 compiles only from StableHLO, and the conversion from HLO drops what a module

@@ -205,6 +205,27 @@ def test_parallel_compiles_from_threads_are_all_correct_with_unique_dump_numbers
     assert len(offsets) == 8
 
 
+@pytest.mark.parametrize("first", ["plain", "passes"])
+def test_the_persistent_compilation_cache_keeps_compiles_with_and_without_passes_apart(tmp_path, first):
+    """JAX keys a cached executable on the module before the hook rewrites it: without the
+    settings in the key, a run with passes got the plain executable back (the passes never ran)
+    and a run without them the rewritten one. Each run is a new process with the same cache."""
+    cache = tmp_path / "cache"
+    env = {"JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    settings = {"plain": {}, "passes": {"XLA_PASSES": "all-reduce-combiner"}}
+    second = "passes" if first == "plain" else "plain"
+    entries = []
+    for number, run in enumerate([first, second, first]):
+        result = run_worker("psums", "--log-info", xla_flags=NO_XLA_COMBINER_FLAGS, env={**env, **settings[run]})
+        compiled_here = "jit_step: changed by all-reduce-combiner" in result.stderr
+        assert report(result) == {"all_reduces": 2 if run == "plain" else 1, "correct": True}, (number, run)
+        assert compiled_here == (run == "passes" and number < 2), (number, run, result.stderr)
+        entries.append(sorted(os.listdir(cache)))
+    # Each setting compiled once and stored its own entry; the third run took the first's.
+    assert [len(e) for e in entries] == [1, 2, 2] and entries[1] == entries[2], entries
+
+
 # --- the absl flag ----------------------------------------------------------------------------
 
 

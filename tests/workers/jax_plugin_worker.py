@@ -145,6 +145,29 @@ def momentum_scenario() -> dict:
     return {"weight_sum": float(np.asarray(new_w).sum())}
 
 
+def psums_scenario() -> dict:
+    """One compile of a shard_map step with two psums: how many all-reduces the executable JAX
+    runs has (a combiner at the hook leaves one), and whether it computes the sums."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+
+    def step(a, b):
+        return jax.lax.psum(a * 2.0, "data"), jax.lax.psum(jnp.tanh(b), "data")
+
+    shards = len(jax.devices())
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((shards, 4), dtype=np.float32), rng.standard_normal((shards, 8), dtype=np.float32)
+    compiled = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=PartitionSpec("data"),
+                                     out_specs=PartitionSpec())).lower(a, b).compile()
+    sum_a, sum_b = compiled(a, b)
+    correct = np.allclose(sum_a, 2.0 * a.sum(axis=0, keepdims=True), atol=1e-5) and \
+        np.allclose(sum_b, np.tanh(b).sum(axis=0, keepdims=True), atol=1e-5)
+    return {"all_reduces": compiled.as_text().count(" all-reduce("), "correct": bool(correct)}
+
+
 def absl_app(absl_argv: list[str], import_jax_first: bool) -> None:
     """An absl program that imports `xla_passes.flags` and runs `program_scenario` in main.
 
@@ -166,7 +189,7 @@ def absl_app(absl_argv: list[str], import_jax_first: bool) -> None:
 
 
 SCENARIOS = {"program": program_scenario, "threads": threads_scenario, "flax": flax_scenario,
-             "momentum": momentum_scenario}
+             "momentum": momentum_scenario, "psums": psums_scenario}
 ABSL_SCENARIOS = {"absl-jax-imported-first": True, "absl-jax-imported-in-main": False}
 
 

@@ -33,7 +33,9 @@ settings it reads are an immutable object swapped in one assignment.
 
 JAX caches compiled functions: switching passes on or off affects compiles that
 happen afterwards, not functions already compiled (`jax.clear_caches()` forgets
-those).
+those). JAX's persistent compilation cache keys an executable on the module
+before the hook rewrites it, so the settings in force are added to its key: compiles
+under passes get their own entries, and compiles without passes keep JAX's keys.
 """
 from __future__ import annotations
 
@@ -210,8 +212,10 @@ def _install(stage: str, platforms: tuple[str, ...]) -> None:
     only if its backend starts. The CPU hook is removed when passes go off or move to the other
     stage. Hooks on other platforms cannot always be taken back, so they stay for the life of
     the process and return "unchanged" whenever the settings do not ask for them. Registering a
-    name twice would run the hook twice, hence the bookkeeping in `_installed`.
+    name twice would run the hook twice, hence the bookkeeping in `_installed`. The settings in
+    force go into JAX's persistent compilation cache keys from the first install on.
     """
+    xla_bridge.add_cache_key_part(_cache_key_part)
     for other_stage in {s for s, p in _installed if p == "cpu" and s != stage}:
         xla_bridge.clear_pass_hook(HOOK_NAME, other_stage, "cpu")
         _installed.discard((other_stage, "cpu"))
@@ -222,6 +226,14 @@ def _install(stage: str, platforms: tuple[str, ...]) -> None:
             xla_bridge.register_pass_hook(functools.partial(_transform, stage, platform), name=HOOK_NAME,
                                           stage=stage, platform=platform)
             _installed.add((stage, platform))
+
+
+def _cache_key_part() -> str:
+    """The settings in force, for JAX's persistent compilation cache key ("" without passes): JAX
+    takes the key before the hook runs, and a compile must not get an executable made under other
+    settings."""
+    settings = _active
+    return "" if settings is None else f"xla_passes:{settings!r}"
 
 
 def _uninstall_cpu() -> None:
