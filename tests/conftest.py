@@ -56,3 +56,14 @@ def tf_modules(tmp_path_factory) -> dict[str, str]:
 def real_modules(jax_modules, pass_hook_modules, xla_dump_modules) -> dict[str, str]:
     """Every module generated with JAX (programs, pass hook, XLA dump), by name."""
     return {**jax_modules, **pass_hook_modules, **xla_dump_modules}
+
+
+@pytest.fixture(scope="session")
+def compilation_cache_env(tmp_path_factory) -> dict[str, str]:
+    """Environment for JAX worker processes: one persistent compilation cache per session (each
+    xdist worker its own, which its tests use one process at a time), so that the hundreds of small
+    programs Keras compiles to build a model compile once, not in every worker process. Runs with
+    passes get their own entries (xla_passes puts its settings in the cache key), and a run with
+    a dump directory of its own never meets another's."""
+    return {"JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax-compilation-cache")),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}

@@ -82,7 +82,7 @@ def run_worker(out, mode: str, model: str, optimizer: str, group_size: int | Non
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, compilation_cache_env):
     """`runs(model, optimizer, mode, group_size=None, passes=None)`: the worker's npz and stderr, each run once
     per module. One at a time: on 2 cores, two ResNet50 workers side by side took 54 s, one after the other 47 s
     (each uses several threads), and the whole file run that way 386 s against 302 s."""
@@ -96,8 +96,9 @@ def runs(tmp_path_factory):
         if key not in done:
             name = (f"{model}-{optimizer}-{mode}" + (f"-groups-of-{group_size}" if group_size else "")
                     + ("-pass" if passes else ""))
-            env = {"XLA_PASSES": passes, "XLA_PASSES_STRICT": "1",
-                   "XLA_PASSES_DUMP_TO": str(directory / f"dump-{name}")} if passes else None
+            env = {**compilation_cache_env, **({"XLA_PASSES": passes, "XLA_PASSES_STRICT": "1",
+                                               "XLA_PASSES_DUMP_TO": str(directory / f"dump-{name}")}
+                                              if passes else {})}
             stderr, seconds = run_worker(directory / f"{name}.npz", mode, model, optimizer, group_size, env)
             print(f"{name}: {seconds:.1f} s wall")
             done[key] = (np.load(directory / f"{name}.npz"), stderr)

@@ -145,7 +145,7 @@ def compare(plain, other, tolerance) -> tuple[float, float, list[str]]:
 
 
 @pytest.mark.parametrize("model", list(REQUIRED_MODULES))
-def test_passes_give_the_plain_run_numbers(model, tmp_path):
+def test_passes_give_the_plain_run_numbers(model, tmp_path, compilation_cache_env):
     missing = [name for name in REQUIRED_MODULES[model] if importlib.util.find_spec(name) is None]
     if missing:  # not importorskip: importing Keras here would load its default backend, TensorFlow
         pytest.skip(f"{', '.join(missing)} not installed (pip install -e '.[test]')")
@@ -160,7 +160,7 @@ def test_passes_give_the_plain_run_numbers(model, tmp_path):
     for run, env in runs.items():
         if run != "plain":
             env = {**env, "XLA_PASSES_STRICT": "1", "XLA_PASSES_DUMP_TO": str(tmp_path / f"dump-{run}")}
-        logs[run], seconds = run_worker(model, tmp_path / f"{run}.npz", env)
+        logs[run], seconds = run_worker(model, tmp_path / f"{run}.npz", {**compilation_cache_env, **env})
         print(f"{model} {run}: {seconds:.1f} s wall, steps {STEP_TIMES_LINE.search(logs[run])['seconds']} s")
 
     plain = np.load(tmp_path / "plain.npz")
