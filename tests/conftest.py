@@ -68,12 +68,3 @@ def compilation_cache_env(tmp_path_factory) -> dict[str, str]:
     return {"JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax-compilation-cache")),
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
-
-def pytest_collection_modifyitems(items):
-    """Under xdist (`--dist loadgroup`), a file's tests run on one worker, as `--dist loadfile` has them:
-    they share module-scoped fixtures (compiled programs, worker runs). A file whose tests each stand
-    alone and take minutes sets `SPREAD_ACROSS_WORKERS = True`: its tests go to whichever worker is
-    free, so that the suite does not end with one worker training models while the other waits."""
-    for item in items:
-        if not getattr(getattr(item, "module", None), "SPREAD_ACROSS_WORKERS", False):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))

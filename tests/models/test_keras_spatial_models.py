@@ -42,8 +42,6 @@ from support import run_keras_tf_child
 
 # keras.applications ResNet50 and EfficientNetB0 through the TF front end, timed against TF.
 pytestmark = pytest.mark.slow
-# Each test trains its own model in its own processes: they run on whichever xdist worker is free.
-SPREAD_ACROSS_WORKERS = True
 
 PASSES = "spatial-partitioning{num_partitions=4,split=0:1}"
 MODELS = ("ResNet50", "EfficientNetB0")

@@ -58,8 +58,6 @@ from xla_passes_demo.training import NO_XLA_COMBINER
 
 # Keras 3 applications and a Flax ResNet trained in subprocesses, plain and with each pass: minutes each.
 pytestmark = pytest.mark.slow
-# Each test trains its own model in its own processes: they run on whichever xdist worker is free.
-SPREAD_ACROSS_WORKERS = True
 
 TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO_ROOT = os.path.dirname(TESTS_DIR)
