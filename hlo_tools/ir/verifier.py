@@ -248,7 +248,8 @@ class _Verifier:
         for comp in computations:
             self.check_structure(comp)
         self.check_call_graph()
-        self.check_callers_index()
+        if not edited_only:
+            self.check_callers_index()
         instructions = (self._edited_instructions(computations) if edited_only
                         else [instr for comp in computations for instr in comp.instructions])
         for instr in instructions:
@@ -363,15 +364,12 @@ class _Verifier:
 
     def check_callers_index(self):
         """The callers that the module keeps once asked (`HloModule.callers`) are those its instructions
-        name: every edit must have kept them current, or passes would act on stale call sites."""
+        name (`check_call_graph` found them, walking every computation): every edit must have kept them
+        current, or passes would act on stale call sites."""
         index = self.module._callers
         if index is None:
             return
-        actual = {}
-        for comp in self.module.computations:
-            for instr in comp.instructions:
-                for callee in instr.called_computations:
-                    actual.setdefault(callee, set()).add(instr)
+        actual = {comp: set(calls) for comp, calls in self.callers.items()}
         kept = {comp: set(calls) for comp, calls in index.items() if calls}
         if kept != actual:
             wrong = next(c for c in {*kept, *actual} if kept.get(c) != actual.get(c))

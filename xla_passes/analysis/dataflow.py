@@ -210,13 +210,17 @@ class BackwardDataflow:
     one leaf state) and called computations are not entered: a call, a loop or a fusion is a user
     like any other, for the client's `transfer` to read. With `within`, only the values in it get
     states: a user outside counts with `lattice.unused(user)`, which the client knows to be all
-    that matters of it."""
+    that matters of it. `positions` (each instruction -> its place in a post order) orders them."""
 
-    def __init__(self, lattice: BackwardLattice, comp: HloComputation, within=None):
+    def __init__(self, lattice: BackwardLattice, comp: HloComputation, within=None, positions=None):
         self.lattice = lattice
         self.comp = comp
         self._values: dict[HloInstruction, object] = {}
-        order = comp.post_order() if within is None else _post_order_within(within)
+        if within is None:
+            order = comp.post_order()
+        else:
+            positions = positions or {instr: i for i, instr in enumerate(comp.post_order())}
+            order = sorted(within, key=positions.__getitem__)
         for instr in reversed(order):
             state = lattice.unused(instr)
             for user in instr.users:
@@ -230,23 +234,3 @@ class BackwardDataflow:
         """The state of `instr`'s value."""
         return self._values[instr]
 
-
-def _post_order_within(instrs) -> list:
-    """The instructions of `instrs` (in its iteration order where free), each after its operands and
-    control predecessors among them."""
-    instrs = dict.fromkeys(instrs)
-    order, done = [], set()
-    for start in instrs:
-        stack = [(start, False)]
-        while stack:
-            instr, expanded = stack.pop()
-            if expanded:
-                order.append(instr)
-                continue
-            if instr in done:
-                continue
-            done.add(instr)
-            stack.append((instr, True))
-            stack.extend((dep, False) for dep in (*instr.operands, *instr.control_predecessors)
-                         if dep in instrs and dep not in done)
-    return order

@@ -543,7 +543,7 @@ class _ComputationSharder:
         grown = [v for v in spans.reached if spans.span(v) is not None]
         inside = _read_only_inside(grown, pulling.may_pull)
         candidates = sorted((v for v in inside if v in self._order), key=self._order.get)
-        users = BackwardDataflow(pulling, self.comp, within=candidates)
+        users = BackwardDataflow(pulling, self.comp, within=candidates, positions=self._order)
         members = {v: axes for v in candidates if (axes := pulling.span(v, users.value(v))) is not None}
         components = sorted(operand_connected_components(set(members)), key=lambda c: min(self._order[m] for m in c))
         projections = {m: axes for m, axes in members.items() if axes != spans.all_axes}
