@@ -1,17 +1,7 @@
 """Test setup: 8 CPU devices for JAX, and session-wide fixtures of real HLO modules."""
 
 import os
-
-  # XLA reads XLA_FLAGS once, when its first backend starts: set it before anything imports jax.
-_DEVICE_FLAG = "--xla_force_host_platform_device_count=8"
-if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_FLAG}".strip()
-os.environ["JAX_PLATFORMS"] = "cpu"
-
-import importlib.util  # noqa: E402
-import sys  # noqa: E402
-
-import pytest  # noqa: E402
+import sys
 
 # The test folders follow the code (ir/, xla/, inspection/, cli/, passes/, frontends/, tools/,
 # models/, demo/, properties/, project/); what they share lives apart: helpers/ (modules the tests import) and
@@ -21,6 +11,19 @@ for _folder in ("workers", "helpers"):
     _path = os.path.join(_TESTS_DIR, _folder)
     if _path not in sys.path:
         sys.path.insert(0, _path)
+
+import support  # noqa: E402
+
+# XLA reads XLA_FLAGS once, when its first backend starts: set it before anything imports jax. The
+# tests' flags (support.xla_flags_for_tests: 8 devices, -O0) after the caller's, each once (xdist's
+# workers inherit the flags their controller set).
+_given = os.environ.get("XLA_FLAGS", "").split()
+os.environ["XLA_FLAGS"] = " ".join(_given + [f for f in support.xla_flags_for_tests().split() if f not in _given])
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import importlib.util  # noqa: E402
+
+import pytest  # noqa: E402
 
 import real_programs  # noqa: E402
 from xla_passes.tools.testing import pytest_collect_file  # noqa: E402, F401 - collects the .hlo FileCheck tests

@@ -21,11 +21,12 @@ import hlo_tools
 import xla_passes
 from xla_passes.frontends import configuration
 from xla_passes.frontends import jax as xla_passes_jax
+from support import xla_flags_for_tests
 
 TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO_ROOT = os.path.dirname(TESTS_DIR)
 WORKER = os.path.join(TESTS_DIR, "workers", "jax_plugin_worker.py")
-DEVICES_FLAG = "--xla_force_host_platform_device_count=8"
+DEVICES_FLAG = xla_flags_for_tests()  # 8 devices, -O0
 # XLA's own all-reduce combiners (the CPU pipeline's is "cpu-all-reduce-combiner"), switched off
 # so that every gradient keeps its own all-reduce until our pass combines them.
 NO_XLA_COMBINER_FLAGS = f"{DEVICES_FLAG} --xla_disable_hlo_passes=all-reduce-combiner,cpu-all-reduce-combiner"

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from hlo_tools.xla import xla_bridge
+from support import xla_flags_for_tests
 
 N_DEVICES = 8
 MAX_DUMP_MODULES = 120
@@ -236,7 +237,7 @@ def pass_hook_programs() -> dict[str, str]:
 def _run_worker(kind: str, target: str, extra_xla_flags: str = "") -> None:
     """Run this file as a worker process of ``kind`` writing to ``target``."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="2",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={N_DEVICES} {extra_xla_flags}".strip())
+               XLA_FLAGS=xla_flags_for_tests(*extra_xla_flags.split(), devices=N_DEVICES))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [_REPO_ROOT, env.get("PYTHONPATH")]))
     result = subprocess.run([sys.executable, os.path.abspath(__file__), kind, target],
                             env=env, capture_output=True, text=True, timeout=300)

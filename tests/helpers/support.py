@@ -12,6 +12,26 @@ HELPERS_DIR = pathlib.Path(__file__).resolve().parent  # tests/helpers: the modu
 REPO_ROOT = HELPERS_DIR.parent.parent
 CORPUS_DIR = REPO_ROOT.parent / "shared" / "corpus" / "xla_tests"
 
+# XLA's flags in every JAX and TF process of the tests: 8 CPU devices, and XLA's LLVM backend at -O0.
+# The tests check what XLA and the passes compute, not how fast XLA's code runs: at -O0 a small
+# program compiles 2.7 times faster (a truncated-normal initializer: 239 ms against 653 ms) and a
+# Flax ResNet's 83 programs 40% faster, while the module XLA hands the pass hook is the same byte for
+# byte (166 dumped modules of the Flax ResNet's training, before and after the passes). Benchmarks,
+# the demo and users run at XLA's default level, and so do the Keras applications' runs: XLA:CPU
+# emits their depthwise and float64 convolutions as loops of its own, which run so much slower at
+# -O0 that the compile saved does not pay for them (EfficientNetB0's real-model test: 385 s at the
+# default level, 509 s at -O0; the float64 spatial test 215 s against 572 s).
+DEVICES = 8
+FAST_COMPILE_FLAG = "--xla_backend_optimization_level=0"
+
+
+def xla_flags_for_tests(*extra: str, devices: int = DEVICES, fast_compile: bool = True) -> str:
+    """XLA_FLAGS for a test's JAX or TF process: `devices` CPU devices, -O0 unless not
+    `fast_compile`, then `extra`."""
+    return " ".join([f"--xla_force_host_platform_device_count={devices}",
+                     *([FAST_COMPILE_FLAG] if fast_compile else []), *extra])
+
+
 # OpenXLA's test modules are there on the development machines only (users and CI lack them).
 needs_corpus = pytest.mark.skipif(not CORPUS_DIR.is_dir(), reason=f"no corpus at {CORPUS_DIR}")
 

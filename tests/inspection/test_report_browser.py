@@ -30,6 +30,7 @@ import pytest
 
 import hlo_tools
 from hlo_tools import cli
+from support import xla_flags_for_tests
 
 TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO_ROOT = os.path.dirname(TESTS_DIR)
@@ -37,8 +38,7 @@ HELPERS_DIR = os.path.join(TESTS_DIR, "helpers")  # real_programs, which DUMP_PR
 CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
                   "--window-size=1400,1000")
-NO_XLA_COMBINER_FLAGS = ("--xla_force_host_platform_device_count=8 "
-                         "--xla_disable_hlo_passes=all-reduce-combiner,cpu-all-reduce-combiner")
+NO_XLA_COMBINER_FLAGS = xla_flags_for_tests("--xla_disable_hlo_passes=all-reduce-combiner,cpu-all-reduce-combiner")
 # Colours the graphs use (hlo_tools.inspection.graph): a collective's fill, an added node's outline.
 COLLECTIVE_FILL = (0xFF, 0xD8, 0xA8)
 ADDED_STROKE = (0x2B, 0x8A, 0x3E)

@@ -23,13 +23,15 @@ import time
 import numpy as np
 import pytest
 
+from support import xla_flags_for_tests
+
 # Keras 3 ResNet50 and EfficientNetB0 (and a small convnet) trained with model.fit in subprocesses.
 pytestmark = pytest.mark.slow
 
 TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO_ROOT = os.path.dirname(TESTS_DIR)
 WORKER = os.path.join(TESTS_DIR, "workers", "dbn_keras_worker.py")
-DEVICES_FLAG = "--xla_force_host_platform_device_count=8"
+DEVICES_FLAG = xla_flags_for_tests()  # 8 devices, -O0
 GROUP_SIZE = 2
 PASSES = f"distributed-batch-norm{{group_size={GROUP_SIZE}}}"
 # (model, optimizer) pairs: the worker's --model and --optimizer.

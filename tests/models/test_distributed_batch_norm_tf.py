@@ -20,7 +20,7 @@ import json
 import sys
 
 import pytest
-from support import run_keras_tf_child
+from support import run_keras_tf_child, xla_flags_for_tests
 
 # Keras ResNet50 (and a small convnet) on the TF backend through the TF front end, in a child process.
 pytestmark = pytest.mark.slow
@@ -56,7 +56,7 @@ def results(tmp_path_factory) -> dict:
         if importlib.util.find_spec(package) is None:
             pytest.skip(f"{package} is not installed")
     return run_keras_tf_child(__file__, tmp_path_factory.mktemp("dbn_tf") / "results.json", timeout=900,
-                              XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}")
+                              XLA_FLAGS=xla_flags_for_tests(devices=DEVICES))
 
 
 def _excess(run: dict, key: str) -> float:

@@ -38,7 +38,7 @@ import tempfile
 import time
 
 import pytest
-from support import run_keras_tf_child
+from support import run_keras_tf_child, xla_flags_for_tests
 
 # keras.applications ResNet50 and EfficientNetB0 through the TF front end, timed against TF.
 pytestmark = pytest.mark.slow
@@ -53,7 +53,9 @@ FLOOR = 1e-12
 
 
 def _run_child(models: list[str], target) -> dict:
-    return run_keras_tf_child(__file__, target, *models, timeout=600, JAX_PLATFORMS="cpu")
+    # XLA's default level: -O0 slows these float64 convolutions more than it speeds their compiles.
+    return run_keras_tf_child(__file__, target, *models, timeout=600, JAX_PLATFORMS="cpu",
+                              XLA_FLAGS=xla_flags_for_tests(fast_compile=False))
 
 
 @pytest.mark.parametrize("model", MODELS)

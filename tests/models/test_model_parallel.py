@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 
 import hlo_tools
+from support import xla_flags_for_tests
 from xla_passes.analysis.replica_groups import written_groups
 
 jax = pytest.importorskip("jax")
@@ -48,7 +49,7 @@ def run_worker(tmp_path, program, optimizer, name, passes=None, float64=False):
     """Runs the worker (in float64 with `float64`); returns (the saved arrays, the pass report lines
     in order, the dump folder)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("XLA_PASSES")}
-    env = {**base, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+    env = {**base, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags_for_tests(),
            "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, base.get("PYTHONPATH")]))}
     dump = tmp_path / f"dump_{name}"
     if passes:

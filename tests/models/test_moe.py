@@ -24,11 +24,13 @@ import sys
 import numpy as np
 import pytest
 
+from support import HELPERS_DIR, xla_flags_for_tests
+
 TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO_ROOT = os.path.dirname(TESTS_DIR)
 STEPS = 3
 RTOL, ATOL = 1e-5, 1e-6
-DEVICES_FLAG = "--xla_force_host_platform_device_count=8"
+DEVICES_FLAG = xla_flags_for_tests()  # 8 devices, -O0
 NO_XLA_COMBINER_FLAGS = f"{DEVICES_FLAG} --xla_disable_hlo_passes=all-reduce-combiner,cpu-all-reduce-combiner"
 
 
@@ -347,7 +349,7 @@ def test_run_of_the_optimized_per_device_module_computes_what_jax_computes(moe_m
 def run_worker(tmp_path, name, passes=None, xla_flags=DEVICES_FLAG):
     base = {k: v for k, v in os.environ.items() if not k.startswith("XLA_PASSES")}
     env = {**base, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags, "TF_CPP_MIN_LOG_LEVEL": "2",
-           "PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, base.get("PYTHONPATH")]))}
+           "PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, str(HELPERS_DIR), base.get("PYTHONPATH")]))}
     if passes:
         env.update(XLA_PASSES=passes, XLA_PASSES_STRICT="1", XLA_PASSES_DUMP_TO=str(tmp_path / f"dump-{name}"))
     out = tmp_path / f"{name}.npz"

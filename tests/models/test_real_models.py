@@ -54,6 +54,7 @@ import pytest
 
 import hlo_tools
 from real_model_worker import STEP_TIMES_PREFIX
+from support import xla_flags_for_tests
 from xla_passes_demo.training import NO_XLA_COMBINER
 
 # Keras 3 applications and a Flax ResNet trained in subprocesses, plain and with each pass: minutes each.
@@ -67,7 +68,9 @@ TRAIN_STEP = "jit_train_step"  # the module name of every model's training step
 # The plain and the transformed runs must agree up to the rounding of a reordered reduction.
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 FLOAT64_TOLERANCE = {"rtol": 1e-9, "atol": 1e-12}
-DEVICES_FLAG = "--xla_force_host_platform_device_count=8"
+# XLA's LLVM backend at -O0 for the Flax ResNet only (support.xla_flags_for_tests: the Keras applications'
+# convolutions run slower at -O0 than their compile gains).
+FAST_COMPILE_MODELS = {"flax-resnet"}
 NO_XLA_COMBINER_FLAG = " ".join(f"--{flag}={value}" for flag, value in NO_XLA_COMBINER.items())
 REQUIRED_MODULES = {"flax-resnet": ("flax", "optax"), "keras-resnet50": ("keras",),
                     "keras-efficientnetb0": ("keras",), "keras-mobilenetv3small-lamb": ("keras",),
@@ -87,7 +90,8 @@ def run_worker(model: str, out, env: dict[str, str]) -> tuple[str, float]:
     """Train `model` in a fresh process with `env` added (no XLA_PASSES* of the caller's), in float64 for
     FLOAT64_MODELS; its stderr and wall time."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("XLA_PASSES")}
-    full_env = {**base, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": DEVICES_FLAG, "TF_CPP_MIN_LOG_LEVEL": "2",
+    xla_flags = xla_flags_for_tests(fast_compile=model in FAST_COMPILE_MODELS)
+    full_env = {**base, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags, "TF_CPP_MIN_LOG_LEVEL": "2",
                 "PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, base.get("PYTHONPATH")])), **env}
     start = time.perf_counter()
     float64 = ["--float64"] if model in FLOAT64_MODELS else []
@@ -152,7 +156,8 @@ def test_passes_give_the_plain_run_numbers(model, tmp_path, compilation_cache_en
     runs = {
         "plain": {},
         "weight-update-sharding": {"XLA_PASSES": "weight-update-sharding"},
-        "collective-fusion": {"XLA_PASSES": "collective-fusion", "XLA_FLAGS": f"{DEVICES_FLAG} {NO_XLA_COMBINER_FLAG}"},
+        "collective-fusion": {"XLA_PASSES": "collective-fusion", "XLA_FLAGS": xla_flags_for_tests(
+            NO_XLA_COMBINER_FLAG, fast_compile=model in FAST_COMPILE_MODELS)},
     }
     if model not in COLLECTIVE_FUSION_MODELS:
         del runs["collective-fusion"]

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import hlo_tools
+from support import xla_flags_for_tests
 
 pytest.importorskip("flax")
 pytest.importorskip("optax")
@@ -34,7 +35,7 @@ STATE_PER_WEIGHT = {"adam": 2, "momentum": 1}  # optimizer state all-gathered be
 
 def run_worker(optimizer: str, out, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if not k.startswith("XLA_PASSES")}
-    full_env = {**base, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+    full_env = {**base, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags_for_tests(),
                 "TF_CPP_MIN_LOG_LEVEL": "2",
                 "PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, base.get("PYTHONPATH")])),
                 **(env or {})}

@@ -31,6 +31,8 @@ import sys
 import numpy as np
 import pytest
 
+from support import HELPERS_DIR, xla_flags_for_tests
+
 pytest.importorskip("flax")
 pytest.importorskip("optax")
 
@@ -124,9 +126,9 @@ def _worker(argv: list[str]) -> None:
 
 def _run_worker(style: str, optimizer: str, out, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if not k.startswith("XLA_PASSES")}
-    full_env = {**base, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+    full_env = {**base, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags_for_tests(),
                 "TF_CPP_MIN_LOG_LEVEL": "2",
-                "PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, base.get("PYTHONPATH")])),
+                "PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, str(HELPERS_DIR), base.get("PYTHONPATH")])),
                 **(env or {})}
     result = subprocess.run([sys.executable, os.path.abspath(__file__), style, optimizer, str(out)], env=full_env,
                             capture_output=True, text=True, timeout=300)

@@ -25,8 +25,9 @@ import sys
 N_DEVICES = 8
 LAYERS = 12
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter")
-os.environ["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={N_DEVICES} "
-                           "--xla_disable_hlo_passes=cpu-all-reduce-combiner")
+# The caller's flags (the tests': -O0) first, then this worker's.
+os.environ["XLA_FLAGS"] = (f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={N_DEVICES} "
+                           "--xla_disable_hlo_passes=cpu-all-reduce-combiner").strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
