@@ -227,6 +227,25 @@ def test_the_persistent_compilation_cache_keeps_compiles_with_and_without_passes
     assert [len(e) for e in entries] == [1, 2, 2] and entries[1] == entries[2], entries
 
 
+def test_the_persistent_compilation_cache_serves_the_same_passes_whatever_their_dump_directory(tmp_path):
+    """Where the passes dump does not change the executable, so it is not in the cache key (as JAX
+    leaves `--xla_dump_to` out of its own): a second process with the same passes and another dump
+    directory takes the first one's executable, and XLA compiles nothing for it, so nothing is
+    dumped there; strict, which changes what a failing pass does, still gets its own entry."""
+    cache = tmp_path / "cache"
+    env = {"JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0", "XLA_PASSES": "all-reduce-combiner"}
+    compiled = []
+    for run, extra in enumerate([{}, {}, {"XLA_PASSES_STRICT": "1"}]):
+        dump = tmp_path / f"dump-{run}"
+        result = run_worker("psums", "--log-info", xla_flags=NO_XLA_COMBINER_FLAGS,
+                            env={**env, **extra, "XLA_PASSES_DUMP_TO": str(dump)})
+        assert report(result) == {"all_reduces": 1, "correct": True}, run
+        compiled.append(("jit_step: changed by all-reduce-combiner" in result.stderr,
+                         dump.exists() and any(dump.glob("*.jit_step.*")), len(os.listdir(cache))))
+    assert compiled == [(True, True, 1), (False, False, 1), (True, True, 2)], compiled
+
+
 # --- the absl flag ----------------------------------------------------------------------------
 
 

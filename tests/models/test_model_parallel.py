@@ -45,12 +45,13 @@ MODEL = ((0, 1, 2, 3), (4, 5, 6, 7))
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter")
 
 
-def run_worker(tmp_path, program, optimizer, name, passes=None, float64=False):
-    """Runs the worker (in float64 with `float64`); returns (the saved arrays, the pass report lines
-    in order, the dump folder)."""
+def run_worker(tmp_path, program, optimizer, name, passes=None, float64=False, cache_env=None):
+    """Runs the worker (in float64 with `float64`; with `cache_env`'s persistent compilation cache);
+    returns (the saved arrays, the pass report lines in order, the dump folder)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("XLA_PASSES")}
     env = {**base, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags_for_tests(),
-           "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, base.get("PYTHONPATH")]))}
+           "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, base.get("PYTHONPATH")])),
+           **(cache_env or {})}
     dump = tmp_path / f"dump_{name}"
     if passes:
         env.update({"XLA_PASSES": passes, "XLA_PASSES_STRICT": "1", "XLA_PASSES_DUMP_TO": str(dump)})
@@ -251,13 +252,18 @@ def weights_named(lines):
 
 
 @pytest.fixture(scope="module")
-def zoo_runs(tmp_path_factory):
+def zoo_runs(tmp_path_factory, compilation_cache_env):
+    """`run(program, optimizer, name, passes, float64)`, each once per module; the runs share JAX's
+    persistent cache, so that the model and optimizer initializers of one program compile once per
+    setting (the training steps all differ: each run's step is compiled, its passes run, its dump
+    written)."""
     cache = {}
 
     def run(program, optimizer, name, passes=None, float64=False):
         key = program, optimizer, passes, float64
         if key not in cache:
-            cache[key] = run_worker(tmp_path_factory.mktemp(name), program, optimizer, name, passes, float64)
+            cache[key] = run_worker(tmp_path_factory.mktemp(name), program, optimizer, name, passes, float64,
+                                    compilation_cache_env)
         return cache[key]
 
     return run

@@ -43,6 +43,12 @@ import sys
 import time
 
 os.environ["KERAS_BACKEND"] = "jax"
+# The small convnet and ResNet50 train on JAX without TensorFlow, as in a JAX user's install: where TensorFlow is
+# installed, Keras imports it for them only to seed it (keras.utils.set_random_seed), 5 to 20 s of the worker's
+# start, so it is blocked (an import of it fails). EfficientNetB0 begins with Keras preprocessing layers
+# (Rescaling, Normalization), which call TensorFlow on every backend.
+if "efficientnetb0" not in sys.argv:
+    sys.modules["tensorflow"] = None
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

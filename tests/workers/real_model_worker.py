@@ -31,6 +31,11 @@ IMAGE_SHAPE = (32, 32, 3)
 CLASSES = 10
 BATCH = 16  # 2 images per device
 STEP_TIMES_PREFIX = "real_model_worker: step seconds:"
+# The Keras applications that train on JAX without TensorFlow, as in a JAX user's install: where TensorFlow is
+# installed, Keras imports it for them only to seed it (keras.utils.set_random_seed), 5 to 20 s of a worker's
+# start, so their workers block it. The others begin with Keras preprocessing layers (Rescaling, Normalization),
+# which call TensorFlow on every backend.
+TENSORFLOW_FREE = {"ResNet50"}
 
 
 def train(step: Callable[[np.ndarray, np.ndarray], float], steps: int, dtype=np.float32) -> np.ndarray:
@@ -51,6 +56,8 @@ def train_keras(application: str, make_optimizer, steps: int, float64: bool = Fa
     """A `keras.applications` model at 32x32 and 10 classes; `make_optimizer(keras)` returns its optimizer.
     With `float64`, every variable and input is float64 (Keras's floatx, jax_enable_x64)."""
     os.environ["KERAS_BACKEND"] = "jax"
+    if application in TENSORFLOW_FREE:
+        sys.modules["tensorflow"] = None  # an import of it fails
     import jax
     import keras
 

@@ -90,6 +90,13 @@ class Settings:
                 message += f" (valid passes: {', '.join(registered_passes())})"
             raise PassError(message) from exc  # `exc` already names its pass
 
+    def executable_key(self) -> str:
+        """What decides the executable a compile under these settings makes: every setting but the
+        dump directory, which JAX's persistent cache key leaves out as it leaves out `--xla_dump_to`
+        (where the dumps go changes nothing XLA compiles)."""
+        kept = (field.name for field in dataclasses.fields(self) if field.repr and field.name != "dump_to")
+        return ", ".join(f"{name}={getattr(self, name)!r}" for name in kept)
+
 
 def settings_from_environment(environ: Mapping[str, str] | None = None) -> Settings | None:
     """The settings the `XLA_PASSES*` variables ask for; None when `XLA_PASSES` is unset or empty.

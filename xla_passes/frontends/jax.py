@@ -233,7 +233,7 @@ def _cache_key_part() -> str:
     takes the key before the hook runs, and a compile must not get an executable made under other
     settings."""
     settings = _active
-    return "" if settings is None else f"xla_passes:{settings!r}"
+    return "" if settings is None else f"xla_passes:{settings.executable_key()}"
 
 
 def _uninstall_cpu() -> None:
