@@ -11,7 +11,9 @@ BINARY_ELEMENTWISE = frozenset({
     "remainder", "shift-left", "shift-right-arithmetic", "shift-right-logical", "subtract",
     "and", "or", "xor", "stochastic-convert",
 })
-TERNARY_ELEMENTWISE = frozenset({"clamp", "select"})
+# fma(a, b, c) = a * b + c rounded once: XLA's algebraic simplifier makes it from a multiply and an add
+# (jaxlib 0.12.1 on CPU, in the polynomials of erf and the like).
+TERNARY_ELEMENTWISE = frozenset({"clamp", "fma", "select"})
 ELEMENTWISE = UNARY_ELEMENTWISE | BINARY_ELEMENTWISE | TERNARY_ELEMENTWISE
 
 COLLECTIVES = frozenset({

@@ -371,6 +371,17 @@ def _clamp(opcode, shapes, attrs, _et):
     return operand
 
 
+def _fma(opcode, shapes, attrs, _et):
+    _arity(opcode, shapes, 3)
+    for s in shapes:
+        _expect_array(s, "fma operand")
+    a, b, c = shapes
+    if a.dtype not in FLOAT_DTYPES or not all(compatible(s, a) for s in (b, c)):
+        _fail(f"Fma needs floating-point operands of one shape; got {_shape_text(a)}, {_shape_text(b)} and "
+              f"{_shape_text(c)}.")
+    return a
+
+
 def _convert(opcode, shapes, attrs, element_type):
     if element_type is None:
         _fail(f"the shape of a {opcode} must be given (its result element type is not implied)")
@@ -1633,7 +1644,7 @@ for _op in UNARY_OPS:
 for _op in BINARY_OPS:
     _RULES[_op] = _binary
 _RULES.update({
-    "select": _select, "clamp": _clamp, "convert": _convert, "bitcast-convert": _convert,
+    "select": _select, "clamp": _clamp, "fma": _fma, "convert": _convert, "bitcast-convert": _convert,
     "stochastic-convert": _convert, "reduce-precision": _reduce_precision,
     "tuple": _tuple, "get-tuple-element": _get_tuple_element, "broadcast": _broadcast, "transpose": _transpose,
     "reverse": _reverse, "concatenate": _concatenate, "slice": _slice, "dynamic-slice": _dynamic_slice,

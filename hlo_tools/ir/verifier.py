@@ -66,7 +66,7 @@ ATTRIBUTES = {op: _spec() for op in _PLAIN_UNARY | _PLAIN_BINARY}
 ATTRIBUTES.update({op: _spec("result_accuracy") for op in _RESULT_ACCURACY_OPS})
 ATTRIBUTES.update({
     "parameter": _spec(), "constant": _spec(), "iota": _spec(required="iota_dimension"),
-    "topk": _spec("largest", "k"), "clamp": _spec(), "select": _spec(), "convert": _spec(),
+    "topk": _spec("largest", "k"), "clamp": _spec(), "fma": _spec(), "select": _spec(), "convert": _spec(),
     "bitcast-convert": _spec(),
     "all-gather": _spec(_COLLECTIVE_REDUCE, "dimensions"), "all-gather-start": _spec(_COLLECTIVE_REDUCE, "dimensions"),
     "all-reduce": _spec(_COLLECTIVE_REDUCE, "to_apply"), "all-reduce-start": _spec(_COLLECTIVE_REDUCE, "to_apply"),
@@ -121,7 +121,7 @@ ARITY.update({op: 2 for op in _PLAIN_BINARY})
 ARITY.update({
     "add-dependency": 2, "batch-norm-grad": 5, "batch-norm-inference": 5, "batch-norm-training": 3,
     "bitcast-convert": 1, "broadcast": 1, "cholesky": 1, "clamp": 3, "compare": 2, "constant": 0, "convert": 1,
-    "convolution": 2, "copy-start": 1, "domain": 1, "fft": 1, "gather": 2, "get-dimension-size": 1,
+    "convolution": 2, "fma": 3, "copy-start": 1, "domain": 1, "fft": 1, "gather": 2, "get-dimension-size": 1,
     "set-dimension-size": 2, "get-tuple-element": 1, "infeed": 1, "iota": 0, "outfeed": 2, "pad": 2,
     "parameter": 0, "partition-id": 0, "recv": 1, "recv-done": 1, "reduce-precision": 1, "replica-id": 0,
     "reshape": 1, "reverse": 1, "rng-bit-generator": 1, "rng-get-and-update-state": 0, "select": 3,

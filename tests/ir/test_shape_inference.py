@@ -476,3 +476,17 @@ def test_reshape_is_bitcast_only_where_no_element_moves_in_memory(operand, resul
     module = hlo_tools.parse_module(f"HloModule m\nENTRY e {{\n  p = {operand} parameter(0)\n"
                                     f"  ROOT r = {result} reshape(p)\n}}\n")
     assert module.entry.root.operands[0].shape.reshape_is_bitcast(module.entry.root.shape) is expected
+
+
+def test_fma():
+    """fma(a, b, c) = a * b + c, which XLA's simplifier makes on CPU from jaxlib 0.12.1 on (erf's polynomials in
+    a truncated-normal initializer): parsed, verified, printed back as it came, its shape inferred."""
+    text = ("HloModule m\n\nENTRY e {\n  a = f32[2,3]{1,0} parameter(0)\n  b = f32[2,3]{1,0} parameter(1)\n"
+            "  ROOT r = f32[2,3]{1,0} fma(a, b, a)\n}\n")
+    module = hlo_tools.parse_module(text)
+    hlo_tools.verify(module)
+    assert module.to_text() == text and module.entry.root.opcode == "fma"
+    assert str(infer_shape("fma", [_s("f32[2,3]{1,0}")] * 3, {})) == "f32[2,3]{1,0}"
+    for operands in ([_s("f32[2,3]"), _s("f32[3,2]"), _s("f32[2,3]")], [_s("s32[4]")] * 3, [_s("f32[4]")] * 2):
+        with pytest.raises(ShapeInferenceError):
+            infer_shape("fma", operands, {})
