@@ -14,12 +14,26 @@ ends (`frontends`, public as `xla_passes.jax`, `xla_passes.flags`,
 validation, FileCheck tests). The model zoo and the demo are the sibling package
 `xla_passes_demo`, which this one never imports.
 """
-from .core import HloPass, PassContext, PassError, PassPipeline, PassResult, register_pass
-from .pipeline import FixedPoint, Pipeline, parse_pipeline, run_passes
-from .registry import pass_class, registered_passes
+import importlib
 
-__all__ = [
-    "HloPass", "PassContext", "PassResult", "PassPipeline", "PassError", "register_pass", "registered_passes",
-    "pass_class",
-    "Pipeline", "FixedPoint", "parse_pipeline", "run_passes",
-]
+# Where each public name lives. They are imported on first use (PEP 562): JAX imports this package
+# in every process, to reach the plugin (xla_passes.frontends.jax_plugin), and a process without
+# XLA_PASSES should not pay for the pass manager and the IR.
+_EXPORTS = {
+    "HloPass": "core", "PassContext": "core", "PassResult": "core", "PassPipeline": "core", "PassError": "core",
+    "register_pass": "core", "registered_passes": "registry", "pass_class": "registry",
+    "Pipeline": "pipeline", "FixedPoint": "pipeline", "parse_pipeline": "pipeline", "run_passes": "pipeline",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

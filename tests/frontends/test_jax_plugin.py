@@ -484,6 +484,17 @@ def test_bad_settings_name_the_variable(environ, message, strict):
     assert info.value.strict == strict
 
 
+def test_without_xla_passes_jax_imports_the_plugin_but_not_the_passes():
+    """JAX imports the plugin in every process that starts a backend: without XLA_PASSES that costs
+    neither the pass manager nor the IR (xla_passes' names are imported on first use)."""
+    code = ("import sys, jax; jax.devices(); "
+            "print(*(m in sys.modules for m in ('xla_passes.frontends.jax_plugin', 'xla_passes.core', 'hlo_tools')))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_PASSES")}
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "PYTHONPATH": REPO_ROOT}, capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.split() == ["True", "False", "False"], out.stderr[-2000:]
+
+
 def test_tensorflow_adapter_reads_the_same_settings_without_importing_tensorflow(tmp_path):
     code = ("import sys, xla_passes.tensorflow as t; p = t.configured_pipeline(7); "
             "print(str(p), p.dump_to, p.module_number, 'tensorflow' in sys.modules)")
