@@ -4,8 +4,9 @@ import os
 import sys
 
 # The test folders follow the code (ir/, xla/, inspection/, cli/, passes/, frontends/, tools/,
-# models/, demo/, properties/, project/); what they share lives apart: helpers/ (modules the tests import) and
-# workers/ (scripts the tests run as subprocesses, some of whose constants the tests import).
+# models/, demo/, properties/, project/); what they share lives apart: helpers/ (modules the tests
+# and workers import) and workers/ (scripts the tests run as subprocesses, some of whose constants
+# the tests import).
 _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 for _folder in ("workers", "helpers"):
     _path = os.path.join(_TESTS_DIR, _folder)
@@ -21,6 +22,7 @@ _given = os.environ.get("XLA_FLAGS", "").split()
 os.environ["XLA_FLAGS"] = " ".join(_given + [f for f in support.xla_flags_for_tests().split() if f not in _given])
 os.environ["JAX_PLATFORMS"] = "cpu"
 
+import collections  # noqa: E402
 import importlib.util  # noqa: E402
 
 import pytest  # noqa: E402
@@ -71,3 +73,19 @@ def compilation_cache_env(tmp_path_factory) -> dict[str, str]:
     return {"JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax-compilation-cache")),
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """The files likely to take longest first, each file's tests in their order: those with `slow` tests, then
+    those with hypothesis tests, then the others by their number of tests. pytest-xdist hands the two workers
+    whole files in this order (`--dist loadfile --no-loadscope-reorder`), and a long file started last would
+    leave one worker running it alone at the end (xdist's own order, by number of tests, put the real-model
+    tests last)."""
+    count, slow, hypothesis = collections.Counter(), set(), set()
+    for item in items:
+        count[item.path] += 1
+        if item.get_closest_marker("slow"):
+            slow.add(item.path)
+        if getattr(getattr(item, "obj", None), "is_hypothesis_test", False):
+            hypothesis.add(item.path)
+    items.sort(key=lambda item: (item.path not in slow, item.path not in hypothesis, -count[item.path]))

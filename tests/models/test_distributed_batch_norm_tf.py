@@ -22,7 +22,7 @@ import sys
 import pytest
 from support import run_keras_tf_child, xla_flags_for_tests
 
-# Keras ResNet50 (and a small convnet) on the TF backend through the TF front end, in a child process.
+# ResNet50 at test size (and a small convnet) on the TF backend through the TF front end, in a child process.
 pytestmark = pytest.mark.slow
 
 DEVICES = 8
@@ -30,22 +30,24 @@ GROUP_SIZE = 2
 SPLIT = f"spatial-partitioning{{num_partitions={DEVICES},split=0:0;1:0}}"
 PASSES = f"{SPLIT},distributed-batch-norm{{group_size={GROUP_SIZE}}}"
 BATCH = 16      # 2 examples per device, 4 per group
-PAIRS = [("small", "sgd"), ("small", "adam"), ("resnet50", "sgd")]
+PAIRS = [("small", "sgd"), ("small", "adam"), ("resnet", "sgd")]
 PAIR_IDS = [f"{model}-{optimizer}" for model, optimizer in PAIRS]
-IMAGE_SIZE = {"small": 8, "resnet50": 32}
-STEPS = {"small": 3, "resnet50": 1}
+IMAGE_SIZE = {"small": 8, "resnet": 32}
+STEPS = {"small": 3, "resnet": 1}
 # Runs of the same step agree up to float reassociation (per-device sums, then across devices).
 # Measured 2026-11-27 (small model, 3 steps): the data-parallel step against TF's within 0.005 times
 # TOLERANCE, the grouped step against the grouped reference within 0.0011 times (sgd) and 0.044 times
 # (adam); groups of 2 move arrays by up to 590 (sgd) and 4300 (adam) times it.
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
 # ResNet50's float32 step is not reproducible to TOLERANCE in another summation order: its last
-# BatchNorms see 4 numbers per channel in a group (1x1 feature maps). The grouped reference against
-# itself with each group's examples reversed (measured 2026-11-27): loss 1.1e-4 apart (relative),
-# weights 1.46 times the norm bound below at rtol 0.1, moving statistics within TOLERANCE. So its
-# loss is compared within LOSS_RTOL (the pass's step: 2.9e-4), its weights and optimizer state by
-# norm, |a - e| <= rtol |e| + atol sqrt(size) (the pass's step: 0.74 of the bound; groups of 2
-# against TF's step: 58 times it), its moving statistics element by element (0.23 of TOLERANCE).
+# BatchNorms see 4 numbers per channel in a group (1x1 feature maps). The full model's grouped reference
+# against itself with each group's examples reversed (measured 2026-11-27): loss 1.1e-4 apart (relative),
+# weights 1.46 times the norm bound below at rtol 0.1, moving statistics within TOLERANCE. So its loss
+# is compared within LOSS_RTOL, its weights and optimizer state by norm, |a - e| <= rtol |e| + atol
+# sqrt(size), its moving statistics element by element. The test-size ResNet (measured 2026-12-07): the
+# pass's step against the reference 0.0081 of the norm bound (12.7 times TOLERANCE element by element),
+# its loss equal, its moving statistics within 0.0026 of TOLERANCE; groups of 2 against TF's step 11
+# times the norm bound.
 NORM_TOLERANCE = {"rtol": 0.3, "atol": 1e-5}
 LOSS_RTOL = 1e-3
 
@@ -69,11 +71,11 @@ def test_grouped_step_equals_the_groups_own_batch_norm(results, pair):
     """The loss, every weight, BatchNorm's moving statistics and the optimizer's state after each
     step as the grouped reference's; every statistic grouped, nothing gathered."""
     run = results[pair]
-    if pair.startswith("resnet50"):
+    if pair.startswith("resnet"):
         assert _excess(run, "grouped_vs_reference_loss") <= LOSS_RTOL, run["steps"]
         assert _excess(run, "grouped_vs_reference_moving") <= 1.0, run["steps"]
         assert _excess(run, "grouped_vs_reference_by_norm") <= 1.0, run["steps"]
-        assert run["grouped_sums"] == 53 * 4, run["grouped_sums"]   # 53 BatchNorms
+        assert run["grouped_sums"] == 20 * 4, run["grouped_sums"]   # 20 BatchNorms
     else:
         assert _excess(run, "grouped_vs_reference") <= 1.0, run["steps"]
         assert run["grouped_sums"] == 2 * 4, run["report"]   # 2 BatchNorms x (mean, variance, 2 backward sums)
@@ -84,7 +86,7 @@ def test_grouped_step_equals_the_groups_own_batch_norm(results, pair):
 def test_controls(results, pair):
     """The data-parallel step alone is TF's step; the groups change the numbers beyond noise."""
     run = results[pair]
-    if pair.startswith("resnet50"):
+    if pair.startswith("resnet"):
         assert _excess(run, "split_vs_tf_loss") <= LOSS_RTOL, run["steps"]
         assert _excess(run, "split_vs_tf_moving") <= 1.0, run["steps"]
         assert _excess(run, "split_vs_tf_by_norm") <= 1.0, run["steps"]
@@ -115,9 +117,10 @@ def test_fused_batch_norm_is_refused_with_its_reason(results):
 
 def _model(keras, name: str = "small"):
     keras.utils.set_random_seed(0)
-    if name == "resnet50":
-        return keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), classes=5,
-                                           classifier_activation=None)
+    if name == "resnet":  # ResNet50's blocks at test size
+        import keras_applications  # noqa: PLC0415 - after Keras chose its backend
+
+        return keras_applications.build("resnet", (32, 32, 3), 5, classifier_activation=None)
     inputs = keras.Input((8, 8, 3))
     y = keras.layers.Conv2D(8, 3, padding="same", use_bias=False)(inputs)
     y = keras.layers.BatchNormalization()(y)

@@ -1,6 +1,7 @@
 """spatial-partitioning on keras.applications ResNet50 and EfficientNetB0 (TF backend) through the front end.
 
-Each model (weights=None, 64x64 images, batch 2, 10 classes, in float64) runs its forward pass
+Each model (ResNet50's and EfficientNetB0's blocks at test size, tests/helpers/keras_applications.py;
+weights=None, 64x64 images, batch 2, 10 classes, in float64) runs its forward pass
 and one training step's gradients (the loss and every trainable variable's, BatchNorm in training
 mode: batch statistics over the split rows), dropout rates set to 0, through
 `xla_passes.tensorflow.function(step, passes="spatial-partitioning{num_partitions=4,split=0:1}")`
@@ -16,10 +17,10 @@ steps differ by up to 2% of a BatchNorm gamma's gradient, and the gradients of a
 that a training-mode BatchNorm follows are 0 in exact arithmetic, so rounding noise. A bound
 taken from that noise (how far TF's XLA step is from its eager step) moves with the CPU: on
 ResNet50 ours was 9.2 times it on an AMD EPYC with AVX2 and no AVX-512, 2.6 times on one with
-AVX-512 and 9.0 times there with XLA's code limited to AVX. In float64 the same steps differ from
-TF's by at most 9.5e-13 of an output's scale (ResNet50's conv1 kernel), the outputs that are 0 in
-exact arithmetic by at most 3.4e-16 of the step's largest output (EfficientNetB0's project
-BatchNorm betas); with XLA's code limited to AVX2 or AVX they stay as far inside the bounds,
+AVX-512 and 9.0 times there with XLA's code limited to AVX. In float64 the same steps of the full
+models differed from TF's by at most 9.5e-13 of an output's scale (ResNet50's conv1 kernel), the
+outputs that are 0 in exact arithmetic by at most 3.4e-16 of the step's largest output
+(EfficientNetB0's project BatchNorm betas); with XLA's code limited to AVX2 or AVX they stay as far inside the bounds,
 while a wrong halo or split moves an output by far more than RTOL.
 
 Keras 3 picks its backend when it is imported, so the models run in a child process with
@@ -40,11 +41,11 @@ import time
 import pytest
 from support import run_keras_tf_child, xla_flags_for_tests
 
-# keras.applications ResNet50 and EfficientNetB0 through the TF front end, timed against TF.
+# keras.applications ResNet50 and EfficientNetB0 at test size through the TF front end, against TF.
 pytestmark = pytest.mark.slow
 
 PASSES = "spatial-partitioning{num_partitions=4,split=0:1}"
-MODELS = ("ResNet50", "EfficientNetB0")
+MODELS = ("resnet", "efficientnet")  # keras_applications.FULL
 IMAGE_SIZE = 64
 # |ours - TF| of an output must stay within RTOL of its own largest magnitude plus FLOOR of the
 # largest magnitude of any output of the step (for the outputs that are 0 in exact arithmetic).
@@ -117,7 +118,8 @@ def _median_ms(calls: dict, rounds: int, steps: int) -> dict[str, float]:
 
 def measure(name: str, what: str, *, image_size: int = IMAGE_SIZE, rounds: int = 0, steps: int = 0,
             float64: bool = False) -> dict:
-    """`keras.applications.<name>`'s forward or training gradients through the front end with PASSES vs TF.
+    """The forward or training gradients of `name`, a model of keras.applications (benchmarks/keras_models.py) or
+    a test-size one (keras_applications.FULL), through the front end with PASSES vs TF.
 
     With `float64`, the model's weights, its input and every computation are float64 (Keras's
     floatx). `outside_tolerance` lists the outputs beyond the test's RTOL and FLOOR. With `rounds`,
@@ -125,6 +127,7 @@ def measure(name: str, what: str, *, image_size: int = IMAGE_SIZE, rounds: int =
     interleaved rounds (`_median_ms`).
     """
     import keras  # noqa: PLC0415
+    import keras_applications  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
     import tensorflow as tf  # noqa: PLC0415
 
@@ -133,8 +136,7 @@ def measure(name: str, what: str, *, image_size: int = IMAGE_SIZE, rounds: int =
     assert keras.backend.backend() == "tensorflow"
     keras.config.set_floatx("float64" if float64 else "float32")
     keras.utils.set_random_seed(0)
-    model = getattr(keras.applications, name)(weights=None, input_shape=(image_size, image_size, 3), classes=10,
-                                              classifier_activation=None)
+    model = keras_applications.build(name, (image_size, image_size, 3), 10, classifier_activation=None)
     for layer in model._flatten_layers():
         if isinstance(layer, keras.layers.Dropout):   # the same step in every run
             layer.rate = 0.0

@@ -45,9 +45,10 @@ MODEL = ((0, 1, 2, 3), (4, 5, 6, 7))
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter")
 
 
-def run_worker(tmp_path, program, optimizer, name, passes=None, float64=False, cache_env=None):
+def run_worker(tmp_path, program, optimizer, name, passes=None, float64=False, cache_env=None, plain_first=False):
     """Runs the worker (in float64 with `float64`; with `cache_env`'s persistent compilation cache);
-    returns (the saved arrays, the pass report lines in order, the dump folder)."""
+    returns (the saved arrays, the pass report lines in order, the dump folder), and with `plain_first`
+    the arrays of a plain run that the worker trained before, with the passes off (--plain-first)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("XLA_PASSES")}
     env = {**base, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags_for_tests(),
            "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, base.get("PYTHONPATH")])),
@@ -56,12 +57,14 @@ def run_worker(tmp_path, program, optimizer, name, passes=None, float64=False, c
     if passes:
         env.update({"XLA_PASSES": passes, "XLA_PASSES_STRICT": "1", "XLA_PASSES_DUMP_TO": str(dump)})
     out = tmp_path / f"{name}.npz"
-    argv = [sys.executable, WORKER, program, optimizer, str(out)] + (["--float64"] if float64 else [])
+    plain = tmp_path / f"{name}-plain.npz"
+    argv = ([sys.executable, WORKER, program, optimizer, str(out)] + (["--float64"] if float64 else [])
+            + (["--plain-first", str(plain)] if plain_first else []))
     result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"worker failed ({result.returncode}):\n{result.stderr[-4000:]}"
     lines = dict.fromkeys(line[len("REPORT "):] for line in result.stderr.splitlines()
                           if line.startswith("REPORT weight-update-sharding: "))
-    return np.load(out), list(lines), dump
+    return (np.load(out), list(lines), dump) + ((np.load(plain),) if plain_first else ())
 
 
 # The attention key bias: its exact gradient is 0 (softmax is the same when every score of a query
@@ -116,13 +119,20 @@ def train_step_dumps(dump):
 
 
 @pytest.fixture(scope="module")
-def megatron_plain(tmp_path_factory):
-    return run_worker(tmp_path_factory.mktemp("plain"), "megatron", "adamw", "plain")[0]
+def megatron_wus(tmp_path_factory):
+    """The weight-update-sharding run (arrays, report, dump) and the plain run before it in its process."""
+    return run_worker(tmp_path_factory.mktemp("wus"), "megatron", "adamw", "wus", "weight-update-sharding",
+                      plain_first=True)
+
+
+@pytest.fixture(scope="module")
+def megatron_plain(megatron_wus):
+    return megatron_wus[3]
 
 
 @pytest.mark.slow
-def test_weight_update_sharding_splits_over_the_data_axis_only(megatron_plain, tmp_path):
-    got, report, dump = run_worker(tmp_path, "megatron", "adamw", "wus", "weight-update-sharding")
+def test_weight_update_sharding_splits_over_the_data_axis_only(megatron_wus, megatron_plain):
+    got, report, dump, _ = megatron_wus
     assert_equal(got, megatron_plain)
     before, [after] = train_step_dumps(dump)
     found = collectives(before)
@@ -244,6 +254,8 @@ ZOO = {"resnet": (29, {"weight-update-sharding": 9, "weight-update-sharding{thre
 # biases share one) and 36 sums of batch norm's statistics, 18 in the forward and backward passes and
 # 18 the pmean of the 9 running means and variances.
 ENTRIES = {"resnet": (63, 27), "transformer": (38, 38)}
+# The pass run whose process also trains a program's plain run.
+PLAIN_WITH = "weight-update-sharding"
 
 
 def weights_named(lines):
@@ -256,14 +268,22 @@ def zoo_runs(tmp_path_factory, compilation_cache_env):
     """`run(program, optimizer, name, passes, float64)`, each once per module; the runs share JAX's
     persistent cache, so that the model and optimizer initializers of one program compile once per
     setting (the training steps all differ: each run's step is compiled, its passes run, its dump
-    written)."""
+    written). A plain run is the one before PLAIN_WITH's in that run's process (the worker's
+    --plain-first)."""
     cache = {}
 
     def run(program, optimizer, name, passes=None, float64=False):
         key = program, optimizer, passes, float64
         if key not in cache:
-            cache[key] = run_worker(tmp_path_factory.mktemp(name), program, optimizer, name, passes, float64,
-                                    compilation_cache_env)
+            if passes is None:
+                arrays, report, dump, plain = run_worker(
+                    tmp_path_factory.mktemp(name), program, optimizer, name, PLAIN_WITH, float64, compilation_cache_env,
+                    plain_first=True)
+                cache[program, optimizer, PLAIN_WITH, float64] = arrays, report, dump
+                cache[key] = plain, [], None
+            else:
+                cache[key] = run_worker(tmp_path_factory.mktemp(name), program, optimizer, name, passes, float64,
+                                        compilation_cache_env)
         return cache[key]
 
     return run

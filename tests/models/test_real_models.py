@@ -1,24 +1,25 @@
 """weight-update-sharding and collective-fusion on real library models give the plain run's numbers.
 
-Each model of tests/workers/real_model_worker.py (a Flax BatchNorm ResNet with AdamW,
-Keras 3 ResNet50 with Adam, Keras 3 EfficientNetB0 with momentum SGD, Keras 3
-MobileNetV3Small and ConvNeXtTiny with LAMB) trains 3 steps data parallel over
-8 CPU devices in subprocesses: plain, with XLA_PASSES=weight-update-sharding
-and (but for the LAMB models) with XLA_PASSES=collective-fusion, with
-XLA_PASSES_STRICT=1, so that a failing pass fails the run. The losses and
-every final weight, BatchNorm statistic and optimizer state must equal the
-plain run's up to the rounding of a reordered sum, and the training step must
-show that the pass did its work:
+Each model of tests/workers/real_model_worker.py (a Flax BatchNorm ResNet with AdamW, and
+Keras 3 applications at test size, tests/helpers/keras_applications.py: ResNet50's blocks with
+Adam, EfficientNetB0's with momentum SGD, MobileNetV3Small's and ConvNeXtTiny's with LAMB)
+trains 3 steps data parallel over 8 CPU devices in subprocesses: plain, with
+XLA_PASSES=weight-update-sharding and (but for the LAMB models) with
+XLA_PASSES=collective-fusion, with XLA_PASSES_STRICT=1, so that a failing pass fails the run.
+The plain run shares the weight-update-sharding run's process (the worker's --plain-first:
+the passes turned off for it), and so its imports and the model's initializer programs.
+The losses and every final weight, BatchNorm statistic and optimizer state must equal the
+plain run's up to the rounding of a reordered sum, and the training step must show that the
+pass did its work:
 
-- MobileNetV3Small trains in float64. In float32, 24 of its 497 arrays differ
-  from plain by more than TOLERANCE after 3 steps with the pass (up to 2.5e-5),
-  and that is rounding: the plain run alone, compiled for AVX2 instead of
-  AVX-512 (`--xla_cpu_max_isa=AVX2`), puts 45 arrays beyond it (up to 1.3e-3).
-  Its `project_bn/beta`s feed a 1x1 convolution and then a BatchNorm, so their
-  exact gradient is 0, and LAMB scales the rounding left in it (and in the
-  moments and statistics downstream) to steps of learning-rate size. In float64
-  the pass's run equals plain's to 6e-17, FLOAT64_TOLERANCE with a margin of
-  over 10^6; a wrong rewrite moves weights by the learning rate.
+- The MobileNetV3 trains in float64. In float32 the full MobileNetV3Small put 24 of its 497
+  arrays further from plain than TOLERANCE after 3 steps with the pass (up to 2.5e-5), and
+  that is rounding: the plain run alone, compiled for AVX2 instead of AVX-512
+  (`--xla_cpu_max_isa=AVX2`), put 45 arrays beyond it (up to 1.3e-3). Its `project_bn/beta`s
+  feed a 1x1 convolution and then a BatchNorm, so their exact gradient is 0, and LAMB scales
+  the rounding left in it (and in the moments and statistics downstream) to steps of
+  learning-rate size. In float64 the pass's run equals plain's to within FLOAT64_TOLERANCE;
+  a wrong rewrite moves weights by the learning rate.
 
 - weight-update-sharding shards the update of every convolution kernel, the
   depthwise ones too (XLA all-reduces their gradient as [h, w, 1, C] and the
@@ -26,7 +27,7 @@ show that the pass did its work:
   moves before the all-reduce). Convnet
   kernels are where splitting a dimension whose slices are not contiguous in
   XLA's layout used to give wrong numbers at the JAX hook (each of the three
-  models caught it), EfficientNet's squeeze-excitation (1, 1, C, K) kernels
+  full models caught it), EfficientNet's squeeze-excitation (1, 1, C, K) kernels
   among them.
 - collective-fusion runs with XLA's own CPU all-reduce combiner switched off.
   With it on, XLA has already combined every independent all-reduce (the
@@ -68,16 +69,12 @@ TRAIN_STEP = "jit_train_step"  # the module name of every model's training step
 # The plain and the transformed runs must agree up to the rounding of a reordered reduction.
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 FLOAT64_TOLERANCE = {"rtol": 1e-9, "atol": 1e-12}
-# XLA's LLVM backend at -O0 for the Flax ResNet only (support.xla_flags_for_tests: the Keras applications'
-# convolutions run slower at -O0 than their compile gains).
-FAST_COMPILE_MODELS = {"flax-resnet"}
 NO_XLA_COMBINER_FLAG = " ".join(f"--{flag}={value}" for flag, value in NO_XLA_COMBINER.items())
-REQUIRED_MODULES = {"flax-resnet": ("flax", "optax"), "keras-resnet50": ("keras",),
-                    "keras-efficientnetb0": ("keras",), "keras-mobilenetv3small-lamb": ("keras",),
-                    "keras-convnexttiny-lamb": ("keras",)}
-FLOAT64_MODELS = {"keras-mobilenetv3small-lamb"}
+REQUIRED_MODULES = {"flax-resnet": ("flax", "optax"), "keras-resnet": ("keras",), "keras-efficientnet": ("keras",),
+                    "keras-mobilenetv3-lamb": ("keras",), "keras-convnext-lamb": ("keras",)}
+FLOAT64_MODELS = {"keras-mobilenetv3-lamb"}
 # The models that test collective-fusion too (the LAMB ones are here for weight-update-sharding's norms).
-COLLECTIVE_FUSION_MODELS = {"flax-resnet", "keras-resnet50", "keras-efficientnetb0"}
+COLLECTIVE_FUSION_MODELS = {"flax-resnet", "keras-resnet", "keras-efficientnet"}
 
 # "xla_passes INFO xla_passes: module_0052 jit_train_step: changed by weight-update-sharding in 1185.5 ms"
 MODULE_LINE = re.compile(r"xla_passes: module_\d+ (?P<name>\S+): (?P<outcome>.*) in [\d.]+ ms$")
@@ -86,16 +83,15 @@ WEIGHT_LINE = re.compile(r"weight-update-sharding: (?P<verdict>sharded|kept) .*?
 STEP_TIMES_LINE = re.compile(re.escape(STEP_TIMES_PREFIX) + r" (?P<seconds>.*)")
 
 
-def run_worker(model: str, out, env: dict[str, str]) -> tuple[str, float]:
+def run_worker(model: str, out, env: dict[str, str], plain_out=None) -> tuple[str, float]:
     """Train `model` in a fresh process with `env` added (no XLA_PASSES* of the caller's), in float64 for
-    FLOAT64_MODELS; its stderr and wall time."""
+    FLOAT64_MODELS, after a plain run saved to `plain_out` if given; its stderr and wall time."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("XLA_PASSES")}
-    xla_flags = xla_flags_for_tests(fast_compile=model in FAST_COMPILE_MODELS)
-    full_env = {**base, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags, "TF_CPP_MIN_LOG_LEVEL": "2",
+    full_env = {**base, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags_for_tests(), "TF_CPP_MIN_LOG_LEVEL": "2",
                 "PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, base.get("PYTHONPATH")])), **env}
     start = time.perf_counter()
-    float64 = ["--float64"] if model in FLOAT64_MODELS else []
-    result = subprocess.run([sys.executable, WORKER, model, str(out), "--steps", str(STEPS), *float64], env=full_env,
+    options = (["--float64"] if model in FLOAT64_MODELS else []) + (["--plain-first", str(plain_out)] if plain_out else [])
+    result = subprocess.run([sys.executable, WORKER, model, str(out), "--steps", str(STEPS), *options], env=full_env,
                             capture_output=True, text=True, timeout=600)
     seconds = time.perf_counter() - start
     assert result.returncode == 0, f"worker failed ({result.returncode}):\n{result.stderr[-4000:]}"
@@ -154,23 +150,22 @@ def test_passes_give_the_plain_run_numbers(model, tmp_path, compilation_cache_en
     if missing:  # not importorskip: importing Keras here would load its default backend, TensorFlow
         pytest.skip(f"{', '.join(missing)} not installed (pip install -e '.[test]')")
     runs = {
-        "plain": {},
         "weight-update-sharding": {"XLA_PASSES": "weight-update-sharding"},
-        "collective-fusion": {"XLA_PASSES": "collective-fusion", "XLA_FLAGS": xla_flags_for_tests(
-            NO_XLA_COMBINER_FLAG, fast_compile=model in FAST_COMPILE_MODELS)},
+        "collective-fusion": {"XLA_PASSES": "collective-fusion", "XLA_FLAGS": xla_flags_for_tests(NO_XLA_COMBINER_FLAG)},
     }
     if model not in COLLECTIVE_FUSION_MODELS:
         del runs["collective-fusion"]
     logs = {}
     for run, env in runs.items():
-        if run != "plain":
-            env = {**env, "XLA_PASSES_STRICT": "1", "XLA_PASSES_DUMP_TO": str(tmp_path / f"dump-{run}")}
-        logs[run], seconds = run_worker(model, tmp_path / f"{run}.npz", {**compilation_cache_env, **env})
-        print(f"{model} {run}: {seconds:.1f} s wall, steps {STEP_TIMES_LINE.search(logs[run])['seconds']} s")
+        env = {**compilation_cache_env, **env, "XLA_PASSES_STRICT": "1", "XLA_PASSES_DUMP_TO": str(tmp_path / f"dump-{run}")}
+        plain_out = tmp_path / "plain.npz" if run == "weight-update-sharding" else None
+        logs[run], seconds = run_worker(model, tmp_path / f"{run}.npz", env, plain_out)
+        steps = "; ".join(m["seconds"] for m in STEP_TIMES_LINE.finditer(logs[run]))
+        print(f"{model} {'plain and ' if plain_out else ''}{run}: {seconds:.1f} s wall, steps {steps} s")
 
     plain = np.load(tmp_path / "plain.npz")
     assert plain["losses"].shape == (STEPS,) and np.isfinite(plain["losses"]).all(), plain["losses"]
-    for run in list(runs)[1:]:
+    for run in runs:
         other = np.load(tmp_path / f"{run}.npz")
         assert sorted(other.files) == sorted(plain.files)
         tolerance = FLOAT64_TOLERANCE if model in FLOAT64_MODELS else TOLERANCE
@@ -197,5 +192,5 @@ def test_passes_give_the_plain_run_numbers(model, tmp_path, compilation_cache_en
         print(f"{model} collective-fusion: {before} all-reduces in the training step before, {after} after")
         assert 2 * after <= before, (before, after)
 
-    for run in runs:  # ResNet50's weights and Adam state are 280 MB a run; keep them only when a check failed
+    for run in ["plain", *runs]:  # keep the weights (tens of MB a run) only when a check failed
         (tmp_path / f"{run}.npz").unlink()

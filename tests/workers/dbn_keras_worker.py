@@ -1,7 +1,7 @@
 """Worker for tests/models/test_distributed_batch_norm_keras.py: a Keras 3 BatchNorm model, data parallel, and its reference.
 
-    python tests/workers/dbn_keras_worker.py MODE OUT.npz [--steps 3] [--group-size K]
-        [--model small|resnet50|efficientnetb0] [--optimizer momentum|adam]
+    python tests/workers/dbn_keras_worker.py MODE OUT.npz [--steps 3] [--group-size K ...]
+        [--model small|resnet|efficientnet] [--optimizer momentum|adam] [--plain-first PLAIN.npz]
 
 MODE `data-parallel`: Keras 3 on JAX, `DataParallel` over every device (the
 caller sets XLA_FLAGS=--xla_force_host_platform_device_count=8), `model.fit`
@@ -20,7 +20,13 @@ normalises with the group's statistics; the step's loss and gradients are the
 means over the groups (the global batch's mean loss, groups being of equal
 size), the new BatchNorm moving statistics the mean over the groups of each
 group's, and `optimizer.stateless_apply` applies the mean gradients. With K = 8
-(one group) this is the plain data-parallel step.
+(one group) this is the plain data-parallel step. Several --group-size values
+train one reference each, in this one process, OUT naming each file with
+`{group_size}` in it.
+
+With --plain-first (data-parallel mode), the worker first trains with the
+passes that XLA_PASSES switched on turned off and saves that plain run to
+PLAIN.npz (tests/helpers/plain_first.py), then trains with them.
 
 Both modes use the optimizer that --optimizer names: `momentum`, SGD(0.1,
 momentum=0.9), or `adam`, Adam(1e-3), whose update is not linear in the
@@ -43,17 +49,21 @@ import sys
 import time
 
 os.environ["KERAS_BACKEND"] = "jax"
-# The small convnet and ResNet50 train on JAX without TensorFlow, as in a JAX user's install: where TensorFlow is
+# tests/helpers, where keras_applications.py and plain_first.py are (the caller puts only the repository on the path).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers"))
+# The small convnet and the ResNet train on JAX without TensorFlow, as in a JAX user's install: where TensorFlow is
 # installed, Keras imports it for them only to seed it (keras.utils.set_random_seed), 5 to 20 s of the worker's
-# start, so it is blocked (an import of it fails). EfficientNetB0 begins with Keras preprocessing layers
+# start, so it is blocked (an import of it fails). The EfficientNet begins with Keras preprocessing layers
 # (Rescaling, Normalization), which call TensorFlow on every backend.
-if "efficientnetb0" not in sys.argv:
+if "efficientnet" not in sys.argv:
     sys.modules["tensorflow"] = None
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import keras  # noqa: E402
+import keras_applications  # noqa: E402
 import numpy as np  # noqa: E402
+from plain_first import without_the_passes  # noqa: E402
 
 PER_DEVICE_BATCH = 4
 DEVICES = 8
@@ -72,13 +82,15 @@ def small_model() -> keras.Model:
     ])
 
 
-def resnet50() -> keras.Model:
-    """keras.applications.ResNet50 at 32x32 and 10 classes (its head is a softmax: probabilities, not logits)."""
-    return keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), classes=10)
+def resnet() -> keras.Model:
+    """ResNet50's blocks at test size (keras_applications.resnet) at 32x32 and 10 classes (its head is a softmax:
+    probabilities, not logits)."""
+    return keras_applications.build("resnet", (32, 32, 3), 10)
 
 
-def efficientnetb0() -> keras.Model:
-    """keras.applications.EfficientNetB0 at 32x32 and 10 classes (softmax head), its Dropout layers turned off.
+def efficientnet() -> keras.Model:
+    """EfficientNetB0's blocks at test size (keras_applications.efficientnet) at 32x32 and 10 classes (softmax
+    head), its Dropout layers turned off.
 
     Depthwise convolutions, squeeze-and-excitation, swish and BatchNormalization after every convolution. Its
     Dropout layers (stochastic depth before each residual add, and before the classifier) get rate 0, which
@@ -86,7 +98,7 @@ def efficientnetb0() -> keras.Model:
     (the global batch under DataParallel, a group's examples in the reference), so no reference could
     reproduce them. Their seed generators stay, unused, among the non-trainable variables.
     """
-    net = keras.applications.EfficientNetB0(weights=None, input_shape=(32, 32, 3), classes=10)
+    net = keras_applications.build("efficientnet", (32, 32, 3), 10)
     for layer in net._flatten_layers():
         if isinstance(layer, keras.layers.Dropout):
             layer.rate = 0.0
@@ -94,8 +106,8 @@ def efficientnetb0() -> keras.Model:
 
 
 # model -> (constructor, image shape, classes, from_logits)
-MODELS = {"small": (small_model, (16, 16, 3), 5, True), "resnet50": (resnet50, (32, 32, 3), 10, False),
-          "efficientnetb0": (efficientnetb0, (32, 32, 3), 10, False)}
+MODELS = {"small": (small_model, (16, 16, 3), 5, True), "resnet": (resnet, (32, 32, 3), 10, False),
+          "efficientnet": (efficientnet, (32, 32, 3), 10, False)}
 # optimizer -> constructor
 OPTIMIZERS = {"momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
               "adam": lambda: keras.optimizers.Adam(1e-3)}
@@ -151,6 +163,9 @@ def train_data_parallel(model: str, optimizer: str, steps: int) -> dict[str, np.
     """`model.fit` under DataParallel over every device, one step per batch of `data`."""
     assert jax.device_count() == DEVICES, f"{jax.device_count()} devices; set XLA_FLAGS=" \
                                           f"--xla_force_host_platform_device_count={DEVICES}"
+    # A second model in the process names its layers and variables as the first did (this also takes away the
+    # distribution an earlier run set).
+    keras.backend.clear_session()
     keras.utils.set_random_seed(0)
     distribution = keras.distribution.DataParallel(devices=jax.devices())
     keras.distribution.set_distribution(distribution)
@@ -172,6 +187,7 @@ def train_data_parallel(model: str, optimizer: str, steps: int) -> dict[str, np.
 def train_reference(model: str, optimizer: str, steps: int, group_size: int) -> dict[str, np.ndarray]:
     """The grouped step written out on one device (the module docstring)."""
     assert DEVICES % group_size == 0, f"group size {group_size} does not divide {DEVICES} devices"
+    keras.backend.clear_session()
     keras.utils.set_random_seed(0)
     net, result = build(model, optimizer)
     loss_fn = net.loss
@@ -229,19 +245,29 @@ def main(argv: list[str]) -> None:
     parser.add_argument("mode", choices=("data-parallel", "reference"))
     parser.add_argument("out")
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--group-size", type=int, default=DEVICES, help="reference mode: devices per group")
+    parser.add_argument("--group-size", type=int, action="append",
+                        help=f"reference mode: devices per group (default {DEVICES}); several: a reference each")
     parser.add_argument("--model", choices=sorted(MODELS), default="small")
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="momentum")
+    parser.add_argument("--plain-first", metavar="PLAIN.npz", help="data-parallel mode: first train without the "
+                        "passes, saved here")
     args = parser.parse_args(argv)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(name)s %(levelname)s %(message)s"))
     logging.getLogger("xla_passes").addHandler(handler)
     logging.getLogger("xla_passes").setLevel(logging.INFO)
     if args.mode == "data-parallel":
-        result = train_data_parallel(args.model, args.optimizer, args.steps)
-    else:
-        result = train_reference(args.model, args.optimizer, args.steps, args.group_size)
-    np.savez(args.out, **result)
+        if args.plain_first:
+            np.savez(args.plain_first, **without_the_passes(
+                lambda: train_data_parallel(args.model, args.optimizer, args.steps)))
+        np.savez(args.out, **train_data_parallel(args.model, args.optimizer, args.steps))
+        return
+    group_sizes = args.group_size or [DEVICES]
+    if len(group_sizes) > 1 and "{group_size}" not in args.out:
+        parser.error("several --group-size values need {group_size} in OUT")
+    for group_size in group_sizes:
+        np.savez(args.out.replace("{group_size}", str(group_size)),
+                 **train_reference(args.model, args.optimizer, args.steps, group_size))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Worker for tests/models/test_model_parallel.py: train a model-zoo step for a few steps, save the numbers.
 
     python tests/workers/model_parallel_worker.py PROGRAM OPTIMIZER OUT.npz [--steps N] [--float64]
+        [--plain-first PLAIN.npz]
 
 PROGRAM is `megatron` (`models.model_parallel_step` of the test-size Transformer on a 2x4
 `(data, model)` mesh, `jax.jit` + `NamedSharding`), `resnet` or `transformer`
@@ -10,14 +11,21 @@ OPTIMIZER is `adamw` (`optax.adamw(1e-3)`) or `clip_adamw`
 float64 (jax_enable_x64, the initial parameters, optimizer state and inputs cast). Saves the
 losses and every final parameter to OUT.npz. Whether passes run is decided by XLA_PASSES alone;
 the worker only routes the `xla_passes` logger's INFO lines (the passes' reports) to stderr.
+With --plain-first it first trains with those passes turned off and saves that plain run to
+PLAIN.npz (tests/helpers/plain_first.py).
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 import numpy as np
+
+# tests/helpers, where plain_first.py is (the caller puts only the repository on the path).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers"))
+from plain_first import without_the_passes  # noqa: E402
 
 
 def optimizer(name: str):
@@ -73,12 +81,16 @@ def main(argv: list[str]) -> None:
     parser.add_argument("out")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--float64", action="store_true")
+    parser.add_argument("--plain-first", metavar="PLAIN.npz", help="first train without the passes, saved here")
     args = parser.parse_args(argv)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("REPORT %(message)s"))
     logger = logging.getLogger("xla_passes")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
+    if args.plain_first:
+        np.savez(args.plain_first, **without_the_passes(
+            lambda: train(args.program, args.optimizer, args.steps, args.float64)))
     np.savez(args.out, **train(args.program, args.optimizer, args.steps, args.float64))
 
 

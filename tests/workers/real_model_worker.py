@@ -1,16 +1,21 @@
 """Worker for tests/models/test_real_models.py: library models trained data parallel, with no change for the passes.
 
-    python tests/workers/real_model_worker.py MODEL OUT.npz [--steps N] [--float64]
+    python tests/workers/real_model_worker.py MODEL OUT.npz [--steps N] [--float64] [--plain-first PLAIN.npz]
 
-MODEL is one of `MODELS`: Keras 3 applications (JAX backend, `DataParallel`
-over the 8 CPU devices, `train_on_batch`) and a Flax BatchNorm ResNet (optax,
+MODEL is one of `MODELS`: Keras 3 applications at test size (tests/helpers/keras_applications.py:
+ResNet50's, EfficientNetB0's, MobileNetV3Small's and ConvNeXtTiny's blocks, each kind of them, by
+Keras's own builders; JAX backend, `DataParallel` over the 8 CPU devices, `train_on_batch`) and a
+Flax BatchNorm ResNet (optax,
 `jax.jit` with `NamedSharding`: parameters replicated, batch split). Each trains
 N steps on the same seeded data and saves the per-step losses and every final
 weight (model variables, BatchNorm statistics, optimizer state) to OUT.npz.
 
-Nothing here imports `xla_passes`: whether a pass runs is decided by the
-XLA_PASSES environment variable alone, read by the JAX plugin when the backend
-starts. The caller sets XLA_FLAGS=--xla_force_host_platform_device_count=8. The
+Whether a pass runs is decided by the XLA_PASSES environment variable alone,
+read by the JAX plugin when the backend starts. With `--plain-first`, the worker
+first trains the same model with those passes turned off and saves that plain
+run to PLAIN.npz (tests/helpers/plain_first.py), then turns them back on and
+trains a new model from the same seed: the two runs share the process's imports
+and the model's initializer programs. The caller sets XLA_FLAGS=--xla_force_host_platform_device_count=8. The
 "xla_passes" logger goes to stderr at INFO, so that the caller can see which
 modules a pass changed and what weight-update-sharding did with each weight,
 and so does one line with the time of each step (the first one compiles).
@@ -27,15 +32,20 @@ from collections.abc import Callable
 
 import numpy as np
 
+# tests/helpers, where keras_applications.py and plain_first.py are (callers put only the repository on the path).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers"))
+from plain_first import without_the_passes  # noqa: E402
+
 IMAGE_SHAPE = (32, 32, 3)
 CLASSES = 10
 BATCH = 16  # 2 images per device
 STEP_TIMES_PREFIX = "real_model_worker: step seconds:"
+
 # The Keras applications that train on JAX without TensorFlow, as in a JAX user's install: where TensorFlow is
 # installed, Keras imports it for them only to seed it (keras.utils.set_random_seed), 5 to 20 s of a worker's
 # start, so their workers block it. The others begin with Keras preprocessing layers (Rescaling, Normalization),
 # which call TensorFlow on every backend.
-TENSORFLOW_FREE = {"ResNet50"}
+TENSORFLOW_FREE = {"resnet", "ResNet50"}
 
 
 def train(step: Callable[[np.ndarray, np.ndarray], float], steps: int, dtype=np.float32) -> np.ndarray:
@@ -53,19 +63,22 @@ def train(step: Callable[[np.ndarray, np.ndarray], float], steps: int, dtype=np.
 
 
 def train_keras(application: str, make_optimizer, steps: int, float64: bool = False) -> dict[str, np.ndarray]:
-    """A `keras.applications` model at 32x32 and 10 classes; `make_optimizer(keras)` returns its optimizer.
+    """A `keras.applications` model, test-size or full (keras_applications.build), at 32x32 and 10 classes;
+    `make_optimizer(keras)` returns its optimizer.
     With `float64`, every variable and input is float64 (Keras's floatx, jax_enable_x64)."""
     os.environ["KERAS_BACKEND"] = "jax"
     if application in TENSORFLOW_FREE:
         sys.modules["tensorflow"] = None  # an import of it fails
     import jax
     import keras
+    import keras_applications
 
+    keras.backend.clear_session()  # a second run in the process names its layers and variables as the first did
     jax.config.update("jax_enable_x64", float64)
     keras.config.set_floatx("float64" if float64 else "float32")
     keras.utils.set_random_seed(0)
     keras.distribution.set_distribution(keras.distribution.DataParallel(devices=jax.devices()))
-    model = getattr(keras.applications, application)(weights=None, input_shape=IMAGE_SHAPE, classes=CLASSES)
+    model = keras_applications.build(application, IMAGE_SHAPE, CLASSES)
     model.compile(optimizer=make_optimizer(keras), loss="sparse_categorical_crossentropy")
     result = {"losses": train(model.train_on_batch, steps, np.float64 if float64 else np.float32)}
     for variable in [*model.weights, *model.optimizer.variables]:
@@ -146,12 +159,15 @@ def train_flax_resnet(steps: int) -> dict[str, np.ndarray]:
 
 MODELS = {
     "flax-resnet": train_flax_resnet,
+    "keras-resnet": functools.partial(train_keras, "resnet", lambda keras: keras.optimizers.Adam(1e-3)),
+    "keras-efficientnet": functools.partial(train_keras, "efficientnet",
+                                            lambda keras: keras.optimizers.SGD(0.01, momentum=0.9)),
+    "keras-mobilenetv3-lamb": functools.partial(train_keras, "mobilenetv3", lambda keras: keras.optimizers.Lamb(1e-3)),
+    "keras-convnext-lamb": functools.partial(train_keras, "convnext", lambda keras: keras.optimizers.Lamb(1e-3)),
+    # The full models, for benchmarks/hook_time.py:
     "keras-resnet50": functools.partial(train_keras, "ResNet50", lambda keras: keras.optimizers.Adam(1e-3)),
     "keras-efficientnetb0": functools.partial(train_keras, "EfficientNetB0",
                                               lambda keras: keras.optimizers.SGD(0.01, momentum=0.9)),
-    "keras-mobilenetv3small-lamb": functools.partial(train_keras, "MobileNetV3Small",
-                                                     lambda keras: keras.optimizers.Lamb(1e-3)),
-    "keras-convnexttiny-lamb": functools.partial(train_keras, "ConvNeXtTiny", lambda keras: keras.optimizers.Lamb(1e-3)),
 }
 
 
@@ -161,13 +177,16 @@ def main(argv: list[str]) -> None:
     parser.add_argument("out")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--float64", action="store_true", help="train in float64 (Keras models)")
+    parser.add_argument("--plain-first", metavar="PLAIN.npz", help="first train without the passes, saved here")
     args = parser.parse_args(argv)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(name)s %(levelname)s %(message)s"))
     logging.getLogger("xla_passes").addHandler(handler)
     logging.getLogger("xla_passes").setLevel(logging.INFO)
-    options = {"float64": True} if args.float64 else {}
-    np.savez(args.out, **MODELS[args.model](args.steps, **options))
+    train = functools.partial(MODELS[args.model], args.steps, **({"float64": True} if args.float64 else {}))
+    if args.plain_first:
+        np.savez(args.plain_first, **without_the_passes(train))
+    np.savez(args.out, **train())
 
 
 if __name__ == "__main__":
