@@ -11,17 +11,13 @@ add), every kind of layer (stems, preprocessing, squeeze-and-excitation, depthwi
 BatchNorm or LayerNorm, the head) and so every kind of weight the passes see, through the same Keras code
 (`keras.src.applications`, whose builders Keras does not export), at a quarter to a third of the blocks.
 
-`build(name, input_shape, classes)` makes one (each builder takes the keyword arguments of the model's input
-and head), or a full keras.applications model by its name; `FULL` names the Keras application each stands for. Import this after choosing Keras's backend.
+`build(name, input_shape, classes)` makes one by its name in BUILDERS (each builder takes the keyword arguments
+of the model's input and head), or a full keras.applications model by its own name. Import this after choosing
+Keras's backend.
 """
 from __future__ import annotations
 
 import copy
-
-# Each test-size model and the keras.applications model whose blocks it has.
-FULL = {"resnet": "ResNet50", "efficientnet": "EfficientNetB0", "mobilenetv3": "MobileNetV3Small",
-        "convnext": "ConvNeXtTiny"}
-
 
 def resnet(head):
     """ResNet50's stem, its four stages of bottleneck blocks at its widths (64 to 512 filters, each stage's first
@@ -76,11 +72,12 @@ def convnext(head):
                            layer_scale_init_value=1e-6, default_size=config["default_size"], name="convnext", **head)
 
 
+# The test-size models by name: ResNet50's, EfficientNetB0's, MobileNetV3Small's and ConvNeXtTiny's blocks.
 BUILDERS = {"resnet": resnet, "efficientnet": efficientnet, "mobilenetv3": mobilenetv3, "convnext": convnext}
 
 
 def build(name: str, input_shape, classes: int, classifier_activation="softmax"):
-    """The test-size model `name` (a key of FULL), or the full keras.applications model `name` (as the benchmarks
+    """The test-size model `name` (a key of BUILDERS), or the full keras.applications model `name` (as the benchmarks
     use), for `input_shape` images and `classes` classes, its head's activation `classifier_activation` (None:
     logits)."""
     head = dict(weights=None, input_shape=tuple(input_shape), classes=classes,

@@ -45,7 +45,7 @@ from support import run_keras_tf_child, xla_flags_for_tests
 pytestmark = pytest.mark.slow
 
 PASSES = "spatial-partitioning{num_partitions=4,split=0:1}"
-MODELS = ("resnet", "efficientnet")  # keras_applications.FULL
+MODELS = ("resnet", "efficientnet")  # keras_applications.BUILDERS
 IMAGE_SIZE = 64
 # |ours - TF| of an output must stay within RTOL of its own largest magnitude plus FLOOR of the
 # largest magnitude of any output of the step (for the outputs that are 0 in exact arithmetic).
@@ -119,7 +119,7 @@ def _median_ms(calls: dict, rounds: int, steps: int) -> dict[str, float]:
 def measure(name: str, what: str, *, image_size: int = IMAGE_SIZE, rounds: int = 0, steps: int = 0,
             float64: bool = False) -> dict:
     """The forward or training gradients of `name`, a model of keras.applications (benchmarks/keras_models.py) or
-    a test-size one (keras_applications.FULL), through the front end with PASSES vs TF.
+    a test-size one (keras_applications.BUILDERS), through the front end with PASSES vs TF.
 
     With `float64`, the model's weights, its input and every computation are float64 (Keras's
     floatx). `outside_tolerance` lists the outputs beyond the test's RTOL and FLOOR. With `rounds`,

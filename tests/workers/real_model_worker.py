@@ -5,8 +5,7 @@
 MODEL is one of `MODELS`: Keras 3 applications at test size (tests/helpers/keras_applications.py:
 ResNet50's, EfficientNetB0's, MobileNetV3Small's and ConvNeXtTiny's blocks, each kind of them, by
 Keras's own builders; JAX backend, `DataParallel` over the 8 CPU devices, `train_on_batch`) and a
-Flax BatchNorm ResNet (optax,
-`jax.jit` with `NamedSharding`: parameters replicated, batch split). Each trains
+Flax BatchNorm ResNet (optax, `jax.jit` with `NamedSharding`: parameters replicated, batch split). Each trains
 N steps on the same seeded data and saves the per-step losses and every final
 weight (model variables, BatchNorm statistics, optimizer state) to OUT.npz.
 
