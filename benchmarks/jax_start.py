@@ -3,6 +3,8 @@
 JAX imports `xla_passes.frontends.jax_plugin` in every process that starts a backend. Each round starts
 a fresh Python for every checkout (this one, and `--baseline DIR`'s), interleaved, with that checkout first
 on PYTHONPATH and no XLA_PASSES, and times `import jax; jax.devices()` inside it; the medians are printed.
+DIR can also be any directory of packages to put first instead, such as other versions of JAX's
+dependencies (`pip install --no-deps --target DIR ml_dtypes==0.7.0`) against the installed ones.
 
     python benchmarks/jax_start.py --baseline /path/to/another/checkout [--rounds 10]
 """
@@ -28,7 +30,8 @@ def start_seconds(checkout: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--baseline", help="another checkout of this repository to compare with")
+    parser.add_argument("--baseline", help="another checkout of this repository, or a directory of other package "
+                                           "versions, to put first on PYTHONPATH and compare with")
     parser.add_argument("--rounds", type=int, default=10)
     args = parser.parse_args()
     checkouts = {"this checkout": REPO_ROOT, **({"baseline": os.path.abspath(args.baseline)} if args.baseline else {})}

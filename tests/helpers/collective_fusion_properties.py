@@ -25,6 +25,7 @@ import optax
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from few_compiles import initial_state
 import hlo_tools
 import xla_passes
 import xla_passes.jax
@@ -229,7 +230,7 @@ def step_arguments(case: FusionCase):
     own examples."""
     rng = np.random.default_rng(case.seed + 1)
     params = _init(case)
-    state = _optimizer(case.optimizer).init(params)
+    state = initial_state(_optimizer(case.optimizer), params)
     x = rng.uniform(-1, 1, (GROUP_SIZE * PER_DEVICE_BATCH, *_example_shape(case))).astype(np.float32)
     y = rng.integers(0, CLASSES, GROUP_SIZE * PER_DEVICE_BATCH).astype(np.int32)
     if case.style == "pmap":

@@ -18,6 +18,7 @@ Keras's backend.
 from __future__ import annotations
 
 import copy
+import sys
 
 def resnet(head):
     """ResNet50's stem, its four stages of bottleneck blocks at its widths (64 to 512 filters, each stage's first
@@ -87,3 +88,23 @@ def build(name: str, input_shape, classes: int, classifier_activation="softmax")
     import keras
 
     return getattr(keras.applications, name)(**head)
+
+
+def set_random_seed(seed: int) -> None:
+    """`keras.utils.set_random_seed(seed)` without importing TensorFlow, for Keras on JAX.
+
+    Keras seeds TensorFlow too wherever it is installed (for tf.data pipelines), and importing it takes 5 to 20 s
+    of a worker's start. Blocked for the call, the import fails, Keras records TensorFlow as unavailable and seeds
+    Python, NumPy and its own generators. The block is lifted afterwards, so that nothing else that the models run
+    sees it: Keras's preprocessing layers (Rescaling, Normalization) ask for TensorFlow only once it is imported.
+    """
+    import keras
+
+    blocked = "tensorflow" not in sys.modules
+    if blocked:
+        sys.modules["tensorflow"] = None  # an import of it fails
+    try:
+        keras.utils.set_random_seed(seed)
+    finally:
+        if blocked:
+            del sys.modules["tensorflow"]

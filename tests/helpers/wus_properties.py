@@ -298,17 +298,18 @@ def _compiled_step(case: StepCase, jit=jax.jit, **jit_kwargs):
 
 def _step_arguments(case: StepCase):
     """Weights and optimizer state equal on every device, data different on each; every float
-    element different (a shard taken at the wrong offset changes the results), the step counter 3."""
+    element different (a shard taken at the wrong offset changes the results), the step counter 3.
+    Made in NumPy, the state from the shapes of the optimizer's (`jax.eval_shape`): made with JAX
+    operations, each would be a program to compile, for every case again (the cases clear JAX's caches)."""
     rng = np.random.default_rng(case.seed)
     dtype = jnp.dtype(case.dtype)
-    params = [jnp.asarray(rng.uniform(0.5, 1.5, w.shape), dtype) for w in case.weights]
-    state = jax.tree.map(lambda leaf: jnp.full(leaf.shape, 3, leaf.dtype) if jnp.issubdtype(leaf.dtype, jnp.integer)
-                         else jnp.asarray(rng.uniform(0.5, 1.5, leaf.shape), leaf.dtype),
-                         _optimizer(case.optimizer).init(params))
-    xs = [jnp.asarray(rng.uniform(-1, 1, (GROUP_SIZE * PER_DEVICE_BATCH, *w.example_shape)), dtype)
-          for w in case.weights]
+    params = [rng.uniform(0.5, 1.5, w.shape).astype(dtype) for w in case.weights]
+    state = jax.tree.map(lambda leaf: np.full(leaf.shape, 3, leaf.dtype) if jnp.issubdtype(leaf.dtype, jnp.integer)
+                         else rng.uniform(0.5, 1.5, leaf.shape).astype(leaf.dtype),
+                         jax.eval_shape(_optimizer(case.optimizer).init, params))
+    xs = [rng.uniform(-1, 1, (GROUP_SIZE * PER_DEVICE_BATCH, *w.example_shape)).astype(dtype) for w in case.weights]
     if case.style == "pmap":  # one copy of the weights and state per device
-        params, state = jax.tree.map(lambda leaf: jnp.stack([leaf] * GROUP_SIZE), (params, state))
+        params, state = jax.tree.map(lambda leaf: np.stack([leaf] * GROUP_SIZE), (params, state))
         return params, state, [x.reshape(GROUP_SIZE, PER_DEVICE_BATCH, *x.shape[1:]) for x in xs]
     mesh = _mesh()
     replicated, batch = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))

@@ -14,8 +14,9 @@ Megatron all-reduces of activations and of their gradients, each on the critical
 next). Every gradient, the replicated weights' included, is summed over "data" only: the
 replicated weights see activations that are already the same on every model shard.
 
-Every run is a subprocess (tests/workers/model_parallel_worker.py) with and without `XLA_PASSES`; the
-losses and every parameter and optimizer-state array of 3 steps are compared.
+The runs of a program, plain and with each pass setting, train one after another in one worker process
+(tests/workers/model_parallel_worker.py; the passes run at the hook XLA_PASSES uses, strict); the losses
+and every parameter and optimizer-state array of 3 steps are compared.
 """
 from __future__ import annotations
 
@@ -45,26 +46,24 @@ MODEL = ((0, 1, 2, 3), (4, 5, 6, 7))
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter")
 
 
-def run_worker(tmp_path, program, optimizer, name, passes=None, float64=False, cache_env=None, plain_first=False):
-    """Runs the worker (in float64 with `float64`; with `cache_env`'s persistent compilation cache);
-    returns (the saved arrays, the pass report lines in order, the dump folder), and with `plain_first`
-    the arrays of a plain run that the worker trained before, with the passes off (--plain-first)."""
+def run_worker(tmp_path, program, runs):
+    """Runs the worker once for `runs`, {name: (optimizer, precision, passes or "")}, each trained anew in
+    that one process; returns {name: (the saved arrays, the pass report lines in order, the dump folder)}."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("XLA_PASSES")}
     env = {**base, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags_for_tests(),
-           "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, base.get("PYTHONPATH")])),
-           **(cache_env or {})}
-    dump = tmp_path / f"dump_{name}"
-    if passes:
-        env.update({"XLA_PASSES": passes, "XLA_PASSES_STRICT": "1", "XLA_PASSES_DUMP_TO": str(dump)})
-    out = tmp_path / f"{name}.npz"
-    plain = tmp_path / f"{name}-plain.npz"
-    argv = ([sys.executable, WORKER, program, optimizer, str(out)] + (["--float64"] if float64 else [])
-            + (["--plain-first", str(plain)] if plain_first else []))
-    result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+           "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, base.get("PYTHONPATH")]))}
+    argv = [sys.executable, WORKER, program, str(tmp_path)]
+    for name, (optimizer, precision, passes) in runs.items():
+        argv += ["--run", name, optimizer, precision, passes]
+    result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, f"worker failed ({result.returncode}):\n{result.stderr[-4000:]}"
-    lines = dict.fromkeys(line[len("REPORT "):] for line in result.stderr.splitlines()
-                          if line.startswith("REPORT weight-update-sharding: "))
-    return (np.load(out), list(lines), dump) + ((np.load(plain),) if plain_first else ())
+    return {name: (np.load(tmp_path / f"{name}.npz"), (tmp_path / f"{name}.report").read_text().splitlines(),
+                   tmp_path / f"dump_{name}") for name in runs}
+
+
+def pass_report(lines):
+    """The weight-update-sharding entries of a run's report, each once, in order."""
+    return list(dict.fromkeys(line for line in lines if line.startswith("weight-update-sharding: ")))
 
 
 # The attention key bias: its exact gradient is 0 (softmax is the same when every score of a query
@@ -118,21 +117,26 @@ def train_step_dumps(dump):
 # -- model parallelism beside data parallelism ---------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def megatron_wus(tmp_path_factory):
-    """The weight-update-sharding run (arrays, report, dump) and the plain run before it in its process."""
-    return run_worker(tmp_path_factory.mktemp("wus"), "megatron", "adamw", "wus", "weight-update-sharding",
-                      plain_first=True)
+MEGATRON_RUNS = {"plain": "", "wus": "weight-update-sharding", "wus0": "weight-update-sharding{threshold_bytes=0}",
+                 "cf": "collective-fusion", "wuscf": "weight-update-sharding,collective-fusion"}
 
 
 @pytest.fixture(scope="module")
-def megatron_plain(megatron_wus):
-    return megatron_wus[3]
+def megatron(tmp_path_factory):
+    """{name: (arrays, report, dump)} of the Megatron step's MEGATRON_RUNS, with adamw in float32."""
+    return run_worker(tmp_path_factory.mktemp("megatron"), "megatron",
+                      {name: ("adamw", "float32", passes) for name, passes in MEGATRON_RUNS.items()})
+
+
+@pytest.fixture(scope="module")
+def megatron_plain(megatron):
+    return megatron["plain"][0]
 
 
 @pytest.mark.slow
-def test_weight_update_sharding_splits_over_the_data_axis_only(megatron_wus, megatron_plain):
-    got, report, dump, _ = megatron_wus
+def test_weight_update_sharding_splits_over_the_data_axis_only(megatron, megatron_plain):
+    got, lines, dump = megatron["wus"]
+    report = pass_report(lines)
     assert_equal(got, megatron_plain)
     before, [after] = train_step_dumps(dump)
     found = collectives(before)
@@ -167,9 +171,10 @@ def test_weight_update_sharding_splits_over_the_data_axis_only(megatron_wus, meg
 
 
 @pytest.mark.slow
-def test_weight_update_sharding_of_every_gradient(megatron_plain, tmp_path):
+def test_weight_update_sharding_of_every_gradient(megatron, megatron_plain):
     """threshold_bytes=0: the 23 small gradients too, the replicated LayerNorms' over the data groups."""
-    got, report, dump = run_worker(tmp_path, "megatron", "adamw", "wus0", "weight-update-sharding{threshold_bytes=0}")
+    got, lines, dump = megatron["wus0"]
+    report = pass_report(lines)
     assert_equal(got, megatron_plain)
     sharded = [line for line in report if ": sharded " in line]
     assert len(sharded) == 38 and all(" over 2 devices" in line for line in sharded), "\n".join(report)
@@ -181,10 +186,10 @@ def test_weight_update_sharding_of_every_gradient(megatron_plain, tmp_path):
 
 
 @pytest.mark.slow
-def test_collective_fusion_combines_within_matching_groups(megatron_plain, tmp_path):
+def test_collective_fusion_combines_within_matching_groups(megatron, megatron_plain):
     # Alone: nothing to do at the hook. XLA's CPU combiner has merged the data-axis all-reduces,
     # and each model-axis all-reduce depends on the one before it.
-    got, _, dump = run_worker(tmp_path, "megatron", "adamw", "cf", "collective-fusion")
+    got, _, dump = megatron["cf"]
     assert_equal(got, megatron_plain)
     before, [after] = train_step_dumps(dump)
     assert summary(collectives(before)) == summary(collectives(after)) == {
@@ -192,7 +197,7 @@ def test_collective_fusion_combines_within_matching_groups(megatron_plain, tmp_p
     # After weight-update-sharding: its 45 data-axis all-gathers become 2 (one per gather
     # dimension: 0, and 1 for the `[1,8,32]` attention-output shards), its 2 reduce-scatters
     # (one per dimension) stay, and no model-axis collective joins a data-axis one.
-    got, _, dump = run_worker(tmp_path, "megatron", "adamw", "wuscf", "weight-update-sharding,collective-fusion")
+    got, _, dump = megatron["wuscf"]
     assert_equal(got, megatron_plain)
     _, [wus, fused] = train_step_dumps(dump)
     assert summary(collectives(wus))[("all-gather", "data")] == (45, 45)
@@ -254,8 +259,9 @@ ZOO = {"resnet": (29, {"weight-update-sharding": 9, "weight-update-sharding{thre
 # biases share one) and 36 sums of batch norm's statistics, 18 in the forward and backward passes and
 # 18 the pmean of the 9 running means and variances.
 ENTRIES = {"resnet": (63, 27), "transformer": (38, 38)}
-# The pass run whose process also trains a program's plain run.
-PLAIN_WITH = "weight-update-sharding"
+# The pass settings of the zoo runs, by their short names in the runs' names.
+ZOO_PASSES = {"weight-update-sharding": "wus", "weight-update-sharding{threshold_bytes=0}": "wus0"}
+OPTIMIZERS = ("adamw", "clip_adamw")
 
 
 def weights_named(lines):
@@ -264,37 +270,32 @@ def weights_named(lines):
 
 
 @pytest.fixture(scope="module")
-def zoo_runs(tmp_path_factory, compilation_cache_env):
-    """`run(program, optimizer, name, passes, float64)`, each once per module; the runs share JAX's
-    persistent cache, so that the model and optimizer initializers of one program compile once per
-    setting (the training steps all differ: each run's step is compiled, its passes run, its dump
-    written). A plain run is the one before PLAIN_WITH's in that run's process (the worker's
-    --plain-first)."""
+def zoo_runs(tmp_path_factory):
+    """`run(program)`: {name: (arrays, report, dump)} of a program's runs, one worker process per program: for
+    each optimizer `<optimizer>-<setting>-float32` for each setting of ZOO_PASSES, whose reports are read, and
+    `<optimizer>-plain-float64` and `<optimizer>-<setting>-float64`, whose numbers are compared."""
     cache = {}
 
-    def run(program, optimizer, name, passes=None, float64=False):
-        key = program, optimizer, passes, float64
-        if key not in cache:
-            if passes is None:
-                arrays, report, dump, plain = run_worker(
-                    tmp_path_factory.mktemp(name), program, optimizer, name, PLAIN_WITH, float64, compilation_cache_env,
-                    plain_first=True)
-                cache[program, optimizer, PLAIN_WITH, float64] = arrays, report, dump
-                cache[key] = plain, [], None
-            else:
-                cache[key] = run_worker(tmp_path_factory.mktemp(name), program, optimizer, name, passes, float64,
-                                        compilation_cache_env)
-        return cache[key]
+    def run(program):
+        if program not in cache:
+            runs = {}
+            for optimizer in OPTIMIZERS:
+                for precision, settings in (("float32", ZOO_PASSES), ("float64", {"": "plain", **ZOO_PASSES})):
+                    runs.update({f"{optimizer}-{setting}-{precision}": (optimizer, precision, passes)
+                                 for passes, setting in settings.items()})
+            cache[program] = run_worker(tmp_path_factory.mktemp(program), program, runs)
+        return cache[program]
 
     return run
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("passes", ["weight-update-sharding", "weight-update-sharding{threshold_bytes=0}"])
-@pytest.mark.parametrize("optimizer", ["adamw", "clip_adamw"])
+@pytest.mark.parametrize("passes", sorted(ZOO_PASSES))
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
 @pytest.mark.parametrize("program", sorted(ZOO))
 def test_model_zoo_data_parallel_steps(program, optimizer, passes, zoo_runs):
-    report = zoo_runs(program, optimizer, "wus", passes)[1]
+    runs, setting = zoo_runs(program), ZOO_PASSES[passes]
+    report = pass_report(runs[f"{optimizer}-{setting}-float32"][1])
     weights, sharded = ZOO[program][0], ZOO[program][1][passes]
     gradients = [line for line in report if "opt_state" in line]
     assert (len(report), len(gradients)) == ENTRIES[program], "\n".join(report)
@@ -307,8 +308,10 @@ def test_model_zoo_data_parallel_steps(program, optimizer, passes, zoo_runs):
     else:  # every gradient is sharded; only batch norm's statistics, which update no weight, stay
         assert not any("opt_state" in line for line in kept), "\n".join(kept)
         assert all("non-elementwise use" in line or "no update" in line for line in kept), "\n".join(kept)
-    plain = zoo_runs(program, optimizer, "plain64", float64=True)[0]
-    got = zoo_runs(program, optimizer, "wus64", passes, float64=True)[0]
+    plain = runs[f"{optimizer}-plain-float64"][0]
+    got, lines, _ = runs[f"{optimizer}-{setting}-float64"]
+    # the float64 step was compiled anew, with the pass (no executable of the plain run's was reused)
+    assert any("jit_train_step: changed by weight-update-sharding" in line for line in lines), "\n".join(lines)
     assert sorted(got.files) == sorted(plain.files)
     assert not any(plain[name].dtype == np.float32 for name in plain.files)  # the worker ran in float64
     for name in plain.files:

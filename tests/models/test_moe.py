@@ -15,6 +15,7 @@ Checked, each against something computed another way:
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -50,20 +51,23 @@ def train(step, args, steps=STEPS):
     return result
 
 
-def worker(out: str) -> None:
-    """Train the MoE step 3 times in this process; XLA_PASSES (read by the JAX plugin) decides the passes."""
+def worker(out: str, plain_out: str) -> None:
+    """Train the MoE step 3 times in this process with the passes off (saved to `plain_out`), then 3 times
+    from the start again with the passes that XLA_PASSES (read by the JAX plugin) chose (saved to `out`)."""
     import logging
 
     import jax
 
+    from plain_first import without_the_passes
     from xla_passes_demo import models
 
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(name)s %(levelname)s %(message)s"))
     logging.getLogger("xla_passes").addHandler(handler)
     logging.getLogger("xla_passes").setLevel(logging.INFO)
-    step, args = models.moe_step(jax.make_mesh((8,), ("data",)), donate=True)
-    np.savez(out, **train(step, args))
+    mesh = jax.make_mesh((8,), ("data",))
+    np.savez(plain_out, **without_the_passes(lambda: train(*models.moe_step(mesh, donate=True))))
+    np.savez(out, **train(*models.moe_step(mesh, donate=True)))
 
 
 # --- the model ---------------------------------------------------------------------------------
@@ -110,8 +114,8 @@ def test_routing_top2_capacity_and_auxiliary_losses_match_a_per_token_loop():
     x = rng.standard_normal((48, 16)).astype(np.float32)
     for factor in (0.5, 0.9, 4.0):  # every expert full; some full, some not; no drops
         block = models.MoEBlock(num_experts=4, mlp_width=8, capacity_factor=factor)
-        params = block.init(jax.random.key(1), jnp.asarray(x))["params"]
-        params = jax.tree.map(lambda a: a * 3.0, params)  # a sharper router: uneven loads
+        params = jax.jit(block.init)(jax.random.key(1), jnp.asarray(x))["params"]
+        params = jax.tree.map(lambda a: np.asarray(a) * np.float32(3), params)  # a sharper router: uneven loads
         with jax.default_matmul_precision("highest"):
             out, aux = jax.jit(block.apply)({"params": params}, jnp.asarray(x))
         capacity = block.capacity(len(x))
@@ -156,14 +160,17 @@ def test_expert_parallel_step_equals_the_one_device_step_with_every_expert_local
     model = models.MoEModel(capacity_factor=1.0)
     with jax.enable_x64(True):
         step, args = models.moe_step(mesh, model=model, donate=False)
-        args = jax.tree.map(lambda a: a.astype(np.float64) if np.issubdtype(a.dtype, np.floating) else a, args)
+        # in one program, which keeps each array's sharding
+        args = jax.jit(functools.partial(jax.tree.map, lambda a: a.astype(np.float64)
+                                         if np.issubdtype(a.dtype, np.floating) else a))(args)
         params = args[0]
         assert params["MoEBlock_0"]["w_in"].shape == (8, 32, 64) and params["MoEBlock_0"]["w_in"].dtype == "float64"
         assert params["MoEBlock_0"]["w_in"].addressable_shards[0].data.shape == (1, 32, 64)  # one expert a device
         assert params["MoEBlock_0"]["router"]["kernel"].addressable_shards[0].data.shape == (32, 8)  # replicated
         host = jax.tree.map(np.asarray, args)
         groups = host[2].reshape(8, 4, 16), host[3].reshape(8, 4, 16)
-        dropped = [float(models.moe_loss(model, host[0], t, y)[1]["dropped"]) for t, y in zip(*groups)]
+        loss = jax.jit(functools.partial(models.moe_loss, model))
+        dropped = [float(loss(host[0], t, y)[1]["dropped"]) for t, y in zip(*groups)]
         assert max(dropped) > 0, dropped
         reference = models.moe_reference_step(model, 8)
         got = train(step, args)
@@ -346,17 +353,18 @@ def test_run_of_the_optimized_per_device_module_computes_what_jax_computes(moe_m
 # --- the passes --------------------------------------------------------------------------------
 
 
-def run_worker(tmp_path, name, passes=None, xla_flags=DEVICES_FLAG):
+def run_worker(tmp_path, name, passes, xla_flags=DEVICES_FLAG):
+    """The worker's training with `passes` (XLA_PASSES, strict, dumped to dump-NAME), its stderr, and the plain
+    training that it ran before, in the same process with the passes off (tests/helpers/plain_first.py)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("XLA_PASSES")}
     env = {**base, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags, "TF_CPP_MIN_LOG_LEVEL": "2",
-           "PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, str(HELPERS_DIR), base.get("PYTHONPATH")]))}
-    if passes:
-        env.update(XLA_PASSES=passes, XLA_PASSES_STRICT="1", XLA_PASSES_DUMP_TO=str(tmp_path / f"dump-{name}"))
-    out = tmp_path / f"{name}.npz"
-    result = subprocess.run([sys.executable, os.path.abspath(__file__), str(out)], env=env, capture_output=True,
-                            text=True, timeout=300)
+           "PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, str(HELPERS_DIR), base.get("PYTHONPATH")])),
+           "XLA_PASSES": passes, "XLA_PASSES_STRICT": "1", "XLA_PASSES_DUMP_TO": str(tmp_path / f"dump-{name}")}
+    out, plain = tmp_path / f"{name}.npz", tmp_path / f"{name}-plain.npz"
+    result = subprocess.run([sys.executable, os.path.abspath(__file__), str(out), str(plain)], env=env,
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
-    return dict(np.load(out)), result.stderr
+    return dict(np.load(out)), result.stderr, dict(np.load(plain))
 
 
 def assert_same_training(got, expected, rtol=RTOL, atol=ATOL):
@@ -407,8 +415,7 @@ def run_dumps_against_each_other(before, after, args, tmp_path):
 def test_collective_fusion_at_the_flag(tmp_path, moe_modules):
     """XLA's all-reduce combiner off (so there is something to combine): 10 all-reduces (9 gradients
     and the loss) become 1; the all-to-alls stay; the numbers do not move."""
-    plain, _ = run_worker(tmp_path, "plain", xla_flags=NO_XLA_COMBINER_FLAGS)
-    fused, _ = run_worker(tmp_path, "fused", "collective-fusion", xla_flags=NO_XLA_COMBINER_FLAGS)
+    fused, _, plain = run_worker(tmp_path, "fused", "collective-fusion", xla_flags=NO_XLA_COMBINER_FLAGS)
     worst = assert_same_training(fused, plain)
     before, after = step_dumps(tmp_path / "dump-fused")
     counts = [(count_opcode(p, "all-reduce"), count_opcode(p, "all-to-all")) for p in (before, after)]
@@ -423,8 +430,7 @@ def test_weight_update_sharding_at_the_flag(tmp_path, moe_modules):
     """XLA's defaults: its combiner already made one all-reduce of the 9 gradients and the loss; the pass
     shards the 4 replicated weights of 1 KiB or more (reduce-scatter, 1/8 of the adam update, all-gather
     of each weight and its two moments), keeps the 5 tiny ones, and leaves the experts alone."""
-    plain, _ = run_worker(tmp_path, "plain")
-    sharded, log = run_worker(tmp_path, "wus", "weight-update-sharding")
+    sharded, log, plain = run_worker(tmp_path, "wus", "weight-update-sharding")
     worst = assert_same_training(sharded, plain)
     count = check_weight_update_sharding_report(log.splitlines())
     before, after = step_dumps(tmp_path / "dump-wus")
@@ -498,4 +504,4 @@ def test_passes_through_xla_passes_jax_jit(mesh, jit_baselines, passes):
 
 
 if __name__ == "__main__":
-    worker(sys.argv[1])
+    worker(sys.argv[1], sys.argv[2])

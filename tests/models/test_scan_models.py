@@ -21,6 +21,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import xla_passes.jax
+from few_compiles import initial_state
 
 LAYERS, WIDTH, HEADS, VOCABULARY, SEQUENCE = 3, 32, 4, 64, 8
 STEPS = 3
@@ -65,9 +66,9 @@ def _program(jit):
                              out_specs=(P(), P(), P())))
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, VOCABULARY, (16, SEQUENCE)).astype(np.int32)
-    params = model.init(jax.random.key(0), tokens[:1])
+    params = jax.jit(model.init)(jax.random.key(0), tokens[:1])
     replicated, batch = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-    return step, (*jax.device_put((params, tx.init(params)), replicated), jax.device_put(tokens, batch),
+    return step, (*jax.device_put((params, initial_state(tx, params)), replicated), jax.device_put(tokens, batch),
                   jax.device_put(np.roll(tokens, -1, axis=1), batch))
 
 

@@ -30,6 +30,7 @@ import hlo_tools
 from xla_passes.analysis.replica_groups import written_groups
 import xla_passes
 import xla_passes.jax
+from few_compiles import initial_state, optimizer_step
 from hlo_tools.xla import runner, xla_bridge
 from xla_passes.passes.distributed_batch_norm import DistributedBatchNorm
 
@@ -78,8 +79,8 @@ def _data(mesh, spec):
 
 
 def _variables():
-    variables = ConvNet().init(jax.random.key(0), jnp.zeros((1, *IMAGE)), train=False)
-    stats = jax.tree.map(lambda a: a + 0.25, variables["batch_stats"])  # running stats away from 0 and 1
+    variables = jax.jit(functools.partial(ConvNet().init, train=False))(jax.random.key(0), jnp.zeros((1, *IMAGE)))
+    stats = jax.tree.map(lambda a: np.asarray(a) + 0.25, variables["batch_stats"])  # running stats away from 0 and 1
     return variables["params"], stats
 
 
@@ -423,7 +424,8 @@ def _resnet_step(k: int):
     from xla_passes_demo import models  # noqa: PLC0415
 
     spec = models.small_resnet()
-    variables = spec.model.init(jax.random.key(0), jnp.zeros((1, *spec.example_shape)), train=False)
+    variables = jax.jit(functools.partial(spec.model.init, train=False))(jax.random.key(0),
+                                                                        jnp.zeros((1, *spec.example_shape)))
     params, state = variables["params"], {key: v for key, v in variables.items() if key != "params"}
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(8 // k, k), ("replicas", "data"))
     axes = ("replicas", "data")
@@ -512,14 +514,13 @@ def test_jit_with_a_sharded_batch_at_the_jax_hook_equals_jax_grouped_batch_norm(
     tx = optax.sgd(0.1, momentum=0.9) if optimizer == "sgd" else optax.adam(1e-2)
     step = _jit_step(ConvNet(axis_name=None), tx)
     params, stats = _variables()
-    args = (params, stats, tx.init(params), *_data(mesh, P("data")))
+    args = (params, stats, initial_state(tx, params), *_data(mesh, P("data")))
     got = _at_the_hook(step, args)
     # JAX's grouped batch norm: each group of 2 devices' statistics, gradients averaged over every
     # device, and the moving averages averaged over the groups (each group has its own)
     loss, grads, _, device_stats = grouped_reference(2)
-    changes, opt_state = tx.update(grads, args[2], params)
-    want = (loss, optax.apply_updates(params, changes), jax.tree.map(lambda a: a.mean(axis=0), device_stats),
-            opt_state)
+    new_params, opt_state = optimizer_step(tx, grads, args[2], params)
+    want = (loss, new_params, jax.tree.map(lambda a: np.asarray(a).mean(axis=0), device_stats), opt_state)
     for name, a, b in zip(("loss", "params", "batch stats", "optimizer state"), got, want):
         worst = max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
                     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
@@ -596,7 +597,7 @@ def _pmap_args(variables, tx, batch_per_device=BATCH_PER_DEVICE):
     images = rng.standard_normal((8, batch_per_device, *IMAGE)).astype(np.float32) * 2 + 0.5
     labels = rng.integers(0, 5, (8, batch_per_device)).astype(np.int32)
     replicated = functools.partial(jax.tree.map, lambda a: np.stack([np.asarray(a)] * 8))
-    return replicated(params), replicated(stats), replicated(tx.init(params)), images, labels
+    return replicated(params), replicated(stats), replicated(initial_state(tx, params)), images, labels
 
 
 def _pmap_at_the_hook(step, args, passes):
@@ -651,12 +652,12 @@ def test_resnet_pmap_step_at_the_jax_hook_equals_jax_grouped_batch_norm():
 
     per_device = functools.partial(jax.tree.map, lambda a: np.asarray(a).reshape(8, -1, *np.shape(a)[1:]))
     replicated = functools.partial(jax.tree.map, lambda a: np.stack([np.asarray(a)] * 8))
-    args = (replicated(params), replicated(state), replicated(tx.init(params)), *per_device((images, labels)))
+    args = (replicated(params), replicated(state), replicated(initial_state(tx, params)), *per_device((images, labels)))
     with xla_passes.jax.enable("distributed-batch-norm{group_size=2}", strict=True, dump_to=None):
         got = jax.pmap(lambda *a: step(*a), axis_name="data")(*args)
     loss, grads, _, device_updates = jax.jit(reference_step)(params, state, images, labels)
-    changes, opt_state = tx.update(grads, tx.init(params), params)
-    want = (loss, optax.apply_updates(params, changes), device_updates, opt_state)
+    new_params, opt_state = optimizer_step(tx, grads, initial_state(tx, params), params)
+    want = (loss, new_params, device_updates, opt_state)
     want = (*replicated((want[0], want[1])), want[2], replicated(want[3]))
     plain = jax.pmap(step, axis_name="data")(*args)
     _assert_step_close(got, want, plain, "pmap, ResNet, adam")
@@ -684,7 +685,7 @@ def test_one_example_per_device(style, caplog):
     mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
     images, labels = jax.device_put((args[3].reshape(8, *IMAGE), args[4].reshape(8)), NamedSharding(mesh, P("data")))
     if style == "jit":
-        jit_args = (params, stats, tx.init(params), images, labels)
+        jit_args = (params, stats, initial_state(tx, params), images, labels)
         got = _at_the_hook(_jit_step(ConvNet(axis_name=None), tx), jit_args)
         first = functools.partial(jax.tree.map, lambda a: np.asarray(a)[0])
         grouped = (*first((want[0], want[1])), jax.tree.map(lambda a: np.asarray(a).mean(axis=0), want[2]),
@@ -717,7 +718,7 @@ class PmapMLP(nn.Module):
 
 def test_pmap_step_without_a_convolution_needs_batch_parameters(caplog):
     tx = optax.sgd(0.1)
-    variables = PmapMLP().init(jax.random.key(0), jnp.zeros((1, *IMAGE)))
+    variables = jax.jit(PmapMLP().init)(jax.random.key(0), jnp.zeros((1, *IMAGE)))
     args = _pmap_args(variables, tx)
     step = _pmap_step(PmapMLP(), tx)
     plain = jax.pmap(step, axis_name="batch")(*args)
@@ -830,7 +831,7 @@ class MLP(nn.Module):
 
 
 def test_dense_batch_norm():
-    variables = MLP().init(jax.random.key(1), jnp.zeros((1, *IMAGE)))
+    variables = jax.jit(MLP().init)(jax.random.key(1), jnp.zeros((1, *IMAGE)))
 
     def run(mesh, batch, axes, axis_name, jit):
         step = jax.shard_map(_step(MLP(axis_name=axis_name), axes), mesh=mesh, in_specs=(P(), P(), batch, batch),

@@ -59,6 +59,7 @@ def _train(style: str, optimizer_name: str, steps: int) -> dict[str, np.ndarray]
     import jax
     import jax.numpy as jnp
     import optax
+    from few_compiles import initial_state
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     class MLP(nn.Module):
@@ -93,8 +94,8 @@ def _train(style: str, optimizer_name: str, steps: int) -> dict[str, np.ndarray]
         step = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(P(), P(), P("data"), P("data")),
                                      out_specs=(P(), P(), P(), P()), check_vma=style == "shard_map"))
     replicated, batch = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-    params = jax.device_put(model.init(jax.random.key(0), jnp.zeros((1, INPUT_WIDTH))), replicated)
-    state = jax.device_put(optimizer.init(params), replicated)
+    params = jax.device_put(jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, INPUT_WIDTH))), replicated)
+    state = jax.device_put(initial_state(optimizer, params), replicated)
     rng = np.random.default_rng(0)
     x = jax.device_put(rng.standard_normal((8 * 16, INPUT_WIDTH), dtype=np.float32), batch)
     y = jax.device_put(rng.integers(0, WIDTHS[-1], 8 * 16).astype(np.int32), batch)
@@ -167,6 +168,7 @@ def test_jax_pmap_with_clip_by_global_norm(optimizer, caplog):
     import optax
 
     import xla_passes.jax
+    from few_compiles import initial_state, per_device_copies
 
     caplog.set_level("INFO", logger="xla_passes")
     chained = _clipped(optimizer)
@@ -181,17 +183,17 @@ def test_jax_pmap_with_clip_by_global_norm(optimizer, caplog):
         return optax.apply_updates(params, updates), state, optax.tree.norm(grads)
 
     rng = np.random.default_rng(0)
-    params = {k: jnp.asarray(0.1 * rng.standard_normal(s), jnp.float32) for k, s in shapes.items()}
-    copies = lambda tree: jax.tree.map(lambda a: jnp.broadcast_to(a, (8,) + a.shape), tree)  # noqa: E731
-    x = jnp.asarray(rng.standard_normal((8, 8, 32)), jnp.float32)
-    y = jnp.asarray(rng.standard_normal((8, 8, 16)), jnp.float32)
+    params = {k: (0.1 * rng.standard_normal(s)).astype(np.float32) for k, s in shapes.items()}
+    state = initial_state(chained, params)
+    x = rng.standard_normal((8, 8, 32)).astype(np.float32)
+    y = rng.standard_normal((8, 8, 16)).astype(np.float32)
     results, lines = [], []
     for passes in ("dce", "weight-update-sharding{assume_replicated_parameters=true}"):
         jax.clear_caches()
         caplog.clear()
         with xla_passes.jax.enable(passes, strict=True):
             pmapped = jax.pmap(step, axis_name="i")
-            p, s = copies(params), copies(chained.init(params))
+            p, s = per_device_copies(params), per_device_copies(state)
             for _ in range(STEPS):
                 p, s, norm = pmapped(p, s, x, y)
                 assert float(norm[0]) > 2 * MAX_NORM  # the clip scales the update

@@ -16,6 +16,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import xla_passes.jax
+from few_compiles import initial_state, per_device_copies
 
 OPTIMIZERS = {"sgd": lambda: optax.sgd(0.1), "momentum": lambda: optax.sgd(0.1, momentum=0.9),
               "adam": lambda: optax.adam(1e-3), "adamw": lambda: optax.adamw(1e-3),
@@ -53,10 +54,10 @@ def _steps(optimizer, style, loss=_loss):
 def _train(step, mesh, optimizer, passes, caplog):
     rng = np.random.default_rng(0)
     replicated, batch = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-    params = {k: jnp.asarray(0.1 * rng.standard_normal(s), jnp.float32) for k, s in SHAPES.items()}
+    params = {k: (0.1 * rng.standard_normal(s)).astype(np.float32) for k, s in SHAPES.items()}
     # The state is made from the unplaced parameters: adafactor's init broadcasts zeros like them,
     # which JAX refuses for arrays on an explicit mesh outside a mesh context.
-    params, state = jax.device_put((params, optimizer.init(params)), replicated)
+    params, state = jax.device_put((params, initial_state(optimizer, params)), replicated)
     x = jax.device_put(rng.standard_normal((64, 32)).astype(np.float32), batch)
     y = jax.device_put(rng.standard_normal((64, 16)).astype(np.float32), batch)
     jax.clear_caches()
@@ -156,17 +157,17 @@ def test_jax_pmap_with_replicated_parameters(name, caplog):
         return optax.apply_updates(params, updates), state
 
     rng = np.random.default_rng(0)
-    params = {k: jnp.asarray(0.1 * rng.standard_normal(s), jnp.float32) for k, s in SHAPES.items()}
-    copies = lambda tree: jax.tree.map(lambda a: jnp.broadcast_to(a, (8,) + a.shape), tree)  # noqa: E731
-    x = jnp.asarray(rng.standard_normal((8, 8, 32)), jnp.float32)
-    y = jnp.asarray(rng.standard_normal((8, 8, 16)), jnp.float32)
+    params = {k: (0.1 * rng.standard_normal(s)).astype(np.float32) for k, s in SHAPES.items()}
+    state = initial_state(optimizer, params)
+    x = rng.standard_normal((8, 8, 32)).astype(np.float32)
+    y = rng.standard_normal((8, 8, 16)).astype(np.float32)
     results = []
     for passes in ("dce", "weight-update-sharding{assume_replicated_parameters=true}"):
         jax.clear_caches()
         caplog.clear()
         with xla_passes.jax.enable(passes, strict=True):
             pmapped = jax.pmap(step, axis_name="i", donate_argnums=(0, 1))
-            p, s = copies(params), copies(optimizer.init(params))
+            p, s = per_device_copies(params), per_device_copies(state)
             for _ in range(3):
                 p, s = pmapped(p, s, x, y)
         results.append((p, s))
@@ -199,7 +200,7 @@ def test_through_xla_passes_jit_every_weight_is_sharded(name, style):
     for jitted in (jax.jit(step, donate_argnums=(0, 1)),
                    xla_passes.jax.jit(step, passes=passes, strict=True, donate_argnums=(0, 1))):
         jax.clear_caches()
-        params, state = jax.device_put((host, optimizer.init(host)), replicated)
+        params, state = jax.device_put((host, initial_state(optimizer, host)), replicated)
         for _ in range(3):
             params, state = jitted(params, state, x, y)
         results.append((params, state))

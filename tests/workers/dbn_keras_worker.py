@@ -51,12 +51,6 @@ import time
 os.environ["KERAS_BACKEND"] = "jax"
 # tests/helpers, where keras_applications.py and plain_first.py are (the caller puts only the repository on the path).
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers"))
-# The small convnet and the ResNet train on JAX without TensorFlow, as in a JAX user's install: where TensorFlow is
-# installed, Keras imports it for them only to seed it (keras.utils.set_random_seed), 5 to 20 s of the worker's
-# start, so it is blocked (an import of it fails). The EfficientNet begins with Keras preprocessing layers
-# (Rescaling, Normalization), which call TensorFlow on every backend.
-if "efficientnet" not in sys.argv:
-    sys.modules["tensorflow"] = None
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -124,7 +118,7 @@ def data(model: str, steps: int) -> list[tuple[np.ndarray, np.ndarray]]:
 def build(model: str, optimizer: str) -> tuple[keras.Model, dict[str, np.ndarray]]:
     """The model, compiled and with its optimizer built, and the initial value of each variable by "init/<path>".
 
-    Call after `keras.utils.set_random_seed(0)` (and after `set_distribution`, where there is one): both modes
+    Call after `keras_applications.set_random_seed(0)` (and after `set_distribution`, where there is one): both modes
     draw the same initial values from the seed.
     """
     make, _, _, from_logits = MODELS[model]
@@ -166,7 +160,7 @@ def train_data_parallel(model: str, optimizer: str, steps: int) -> dict[str, np.
     # A second model in the process names its layers and variables as the first did (this also takes away the
     # distribution an earlier run set).
     keras.backend.clear_session()
-    keras.utils.set_random_seed(0)
+    keras_applications.set_random_seed(0)  # not TensorFlow's: the worker trains without it
     distribution = keras.distribution.DataParallel(devices=jax.devices())
     keras.distribution.set_distribution(distribution)
     check_batch_split(distribution)
@@ -188,7 +182,7 @@ def train_reference(model: str, optimizer: str, steps: int, group_size: int) -> 
     """The grouped step written out on one device (the module docstring)."""
     assert DEVICES % group_size == 0, f"group size {group_size} does not divide {DEVICES} devices"
     keras.backend.clear_session()
-    keras.utils.set_random_seed(0)
+    keras_applications.set_random_seed(0)  # not TensorFlow's: the worker trains without it
     net, result = build(model, optimizer)
     loss_fn = net.loss
     optimizer = net.optimizer

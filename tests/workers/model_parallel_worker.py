@@ -1,18 +1,24 @@
-"""Worker for tests/models/test_model_parallel.py: train a model-zoo step for a few steps, save the numbers.
+"""Worker for tests/models/test_model_parallel.py: train a model-zoo step under several pass settings, one after
+another in one process, and save each run's numbers, pass reports and dumps.
 
-    python tests/workers/model_parallel_worker.py PROGRAM OPTIMIZER OUT.npz [--steps N] [--float64]
-        [--plain-first PLAIN.npz]
+    python tests/workers/model_parallel_worker.py PROGRAM OUT_DIR [--steps N]
+        --run NAME OPTIMIZER PRECISION PASSES [--run ...]
 
 PROGRAM is `megatron` (`models.model_parallel_step` of the test-size Transformer on a 2x4
 `(data, model)` mesh, `jax.jit` + `NamedSharding`), `resnet` or `transformer`
 (`models.data_parallel_step` of the test-size model on an 8-device "data" mesh, shard_map).
-OPTIMIZER is `adamw` (`optax.adamw(1e-3)`) or `clip_adamw`
-(`optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))`). `--float64` trains in
-float64 (jax_enable_x64, the initial parameters, optimizer state and inputs cast). Saves the
-losses and every final parameter to OUT.npz. Whether passes run is decided by XLA_PASSES alone;
-the worker only routes the `xla_passes` logger's INFO lines (the passes' reports) to stderr.
-With --plain-first it first trains with those passes turned off and saves that plain run to
-PLAIN.npz (tests/helpers/plain_first.py).
+Each `--run` trains the program anew (a new training step, traced and compiled) and writes
+OUT_DIR/NAME.npz (the losses and every final parameter and state array), OUT_DIR/NAME.report
+(the `xla_passes` logger's lines of that run) and, when PASSES is not empty, the hook's dumps to
+OUT_DIR/dump_NAME. OPTIMIZER is `adamw` (`optax.adamw(1e-3)`) or `clip_adamw`
+(`optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))`); PRECISION is `float32` or
+`float64` (jax_enable_x64, the initial parameters, optimizer state and inputs cast); PASSES is the
+pipeline that `xla_passes.jax.enable(PASSES, strict=True)` runs in the run's compiles, at the hook
+XLA_PASSES uses, or "" for a plain run with the passes off.
+
+Why one process: each worker process pays for its imports and for compiling the model's
+initializers, which every run of a program shares (tests/helpers/plain_first.py does the same for
+one plain and one pass run).
 """
 from __future__ import annotations
 
@@ -22,10 +28,6 @@ import os
 import sys
 
 import numpy as np
-
-# tests/helpers, where plain_first.py is (the caller puts only the repository on the path).
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers"))
-from plain_first import without_the_passes  # noqa: E402
 
 
 def optimizer(name: str):
@@ -74,24 +76,46 @@ def train(program: str, optimizer_name: str, steps: int, x64: bool = False) -> d
     return result
 
 
+class _Lines(logging.Handler):
+    """Keeps the formatted records it is given."""
+
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("program", choices=["megatron", "resnet", "transformer"])
-    parser.add_argument("optimizer", choices=["adamw", "clip_adamw"])
-    parser.add_argument("out")
+    parser.add_argument("out_dir")
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--float64", action="store_true")
-    parser.add_argument("--plain-first", metavar="PLAIN.npz", help="first train without the passes, saved here")
+    parser.add_argument("--run", nargs=4, action="append", required=True,
+                        metavar=("NAME", "OPTIMIZER", "PRECISION", "PASSES"))
     args = parser.parse_args(argv)
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("REPORT %(message)s"))
+    for name, optimizer_name, precision, _ in args.run:
+        if optimizer_name not in ("adamw", "clip_adamw") or precision not in ("float32", "float64"):
+            parser.error(f"run {name}: unknown optimizer {optimizer_name!r} or precision {precision!r}")
+    import xla_passes.jax
+
     logger = logging.getLogger("xla_passes")
-    logger.addHandler(handler)
     logger.setLevel(logging.INFO)
-    if args.plain_first:
-        np.savez(args.plain_first, **without_the_passes(
-            lambda: train(args.program, args.optimizer, args.steps, args.float64)))
-    np.savez(args.out, **train(args.program, args.optimizer, args.steps, args.float64))
+    for name, optimizer_name, precision, passes in args.run:
+        lines = _Lines()
+        logger.addHandler(lines)
+        if passes:
+            xla_passes.jax.enable(passes, strict=True, dump_to=os.path.join(args.out_dir, f"dump_{name}"))
+        else:
+            xla_passes.jax.disable()
+        try:
+            arrays = train(args.program, optimizer_name, args.steps, precision == "float64")
+        finally:
+            logger.removeHandler(lines)
+        np.savez(os.path.join(args.out_dir, f"{name}.npz"), **arrays)
+        with open(os.path.join(args.out_dir, f"{name}.report"), "w") as report:
+            report.writelines(line + "\n" for line in lines.lines)
 
 
 if __name__ == "__main__":

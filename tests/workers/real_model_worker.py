@@ -40,12 +40,6 @@ CLASSES = 10
 BATCH = 16  # 2 images per device
 STEP_TIMES_PREFIX = "real_model_worker: step seconds:"
 
-# The Keras applications that train on JAX without TensorFlow, as in a JAX user's install: where TensorFlow is
-# installed, Keras imports it for them only to seed it (keras.utils.set_random_seed), 5 to 20 s of a worker's
-# start, so their workers block it. The others begin with Keras preprocessing layers (Rescaling, Normalization),
-# which call TensorFlow on every backend.
-TENSORFLOW_FREE = {"resnet", "ResNet50"}
-
 
 def train(step: Callable[[np.ndarray, np.ndarray], float], steps: int, dtype=np.float32) -> np.ndarray:
     """Run `step(images, labels) -> loss` on `steps` seeded batches; the losses, and the step times on stderr."""
@@ -66,8 +60,6 @@ def train_keras(application: str, make_optimizer, steps: int, float64: bool = Fa
     `make_optimizer(keras)` returns its optimizer.
     With `float64`, every variable and input is float64 (Keras's floatx, jax_enable_x64)."""
     os.environ["KERAS_BACKEND"] = "jax"
-    if application in TENSORFLOW_FREE:
-        sys.modules["tensorflow"] = None  # an import of it fails
     import jax
     import keras
     import keras_applications
@@ -75,7 +67,7 @@ def train_keras(application: str, make_optimizer, steps: int, float64: bool = Fa
     keras.backend.clear_session()  # a second run in the process names its layers and variables as the first did
     jax.config.update("jax_enable_x64", float64)
     keras.config.set_floatx("float64" if float64 else "float32")
-    keras.utils.set_random_seed(0)
+    keras_applications.set_random_seed(0)  # not TensorFlow's: the workers train without it
     keras.distribution.set_distribution(keras.distribution.DataParallel(devices=jax.devices()))
     model = keras_applications.build(application, IMAGE_SHAPE, CLASSES)
     model.compile(optimizer=make_optimizer(keras), loss="sparse_categorical_crossentropy")
