@@ -25,7 +25,7 @@ import optax
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from few_compiles import initial_state
+from few_compiles import initial_state, per_device_copies
 import hlo_tools
 import xla_passes
 import xla_passes.jax
@@ -234,7 +234,7 @@ def step_arguments(case: FusionCase):
     x = rng.uniform(-1, 1, (GROUP_SIZE * PER_DEVICE_BATCH, *_example_shape(case))).astype(np.float32)
     y = rng.integers(0, CLASSES, GROUP_SIZE * PER_DEVICE_BATCH).astype(np.int32)
     if case.style == "pmap":
-        params, state = jax.tree.map(lambda a: np.stack([np.asarray(a)] * GROUP_SIZE), (params, state))
+        params, state = per_device_copies((params, state), GROUP_SIZE)
         return params, state, x.reshape(GROUP_SIZE, PER_DEVICE_BATCH, *x.shape[1:]), y.reshape(GROUP_SIZE, -1)
     mesh = _mesh()
     replicated, batch = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))

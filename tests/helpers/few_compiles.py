@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import optax
 
-DEVICES = 8
+from support import DEVICES
 
 
 def initial_state(optimizer, params):

@@ -39,6 +39,7 @@ import optax
 from hypothesis import HealthCheck, assume, settings, strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from few_compiles import per_device_copies
 import hlo_tools
 import xla_passes
 import xla_passes.jax
@@ -309,7 +310,7 @@ def _step_arguments(case: StepCase):
                          jax.eval_shape(_optimizer(case.optimizer).init, params))
     xs = [rng.uniform(-1, 1, (GROUP_SIZE * PER_DEVICE_BATCH, *w.example_shape)).astype(dtype) for w in case.weights]
     if case.style == "pmap":  # one copy of the weights and state per device
-        params, state = jax.tree.map(lambda leaf: np.stack([leaf] * GROUP_SIZE), (params, state))
+        params, state = per_device_copies((params, state), GROUP_SIZE)
         return params, state, [x.reshape(GROUP_SIZE, PER_DEVICE_BATCH, *x.shape[1:]) for x in xs]
     mesh = _mesh()
     replicated, batch = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))

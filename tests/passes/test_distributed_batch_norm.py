@@ -30,7 +30,7 @@ import hlo_tools
 from xla_passes.analysis.replica_groups import written_groups
 import xla_passes
 import xla_passes.jax
-from few_compiles import initial_state, optimizer_step
+from few_compiles import initial_state, optimizer_step, per_device_copies
 from hlo_tools.xla import runner, xla_bridge
 from xla_passes.passes.distributed_batch_norm import DistributedBatchNorm
 
@@ -596,8 +596,8 @@ def _pmap_args(variables, tx, batch_per_device=BATCH_PER_DEVICE):
     rng = np.random.default_rng(1)
     images = rng.standard_normal((8, batch_per_device, *IMAGE)).astype(np.float32) * 2 + 0.5
     labels = rng.integers(0, 5, (8, batch_per_device)).astype(np.int32)
-    replicated = functools.partial(jax.tree.map, lambda a: np.stack([np.asarray(a)] * 8))
-    return replicated(params), replicated(stats), replicated(initial_state(tx, params)), images, labels
+    return (per_device_copies(params), per_device_copies(stats), per_device_copies(initial_state(tx, params)), images,
+            labels)
 
 
 def _pmap_at_the_hook(step, args, passes):
@@ -651,14 +651,13 @@ def test_resnet_pmap_step_at_the_jax_hook_equals_jax_grouped_batch_norm():
         return jax.lax.pmean(loss, "data"), optax.apply_updates(params, changes), updates, opt_state
 
     per_device = functools.partial(jax.tree.map, lambda a: np.asarray(a).reshape(8, -1, *np.shape(a)[1:]))
-    replicated = functools.partial(jax.tree.map, lambda a: np.stack([np.asarray(a)] * 8))
-    args = (replicated(params), replicated(state), replicated(initial_state(tx, params)), *per_device((images, labels)))
+    args = (*per_device_copies((params, state, initial_state(tx, params))), *per_device((images, labels)))
     with xla_passes.jax.enable("distributed-batch-norm{group_size=2}", strict=True, dump_to=None):
         got = jax.pmap(lambda *a: step(*a), axis_name="data")(*args)
     loss, grads, _, device_updates = jax.jit(reference_step)(params, state, images, labels)
     new_params, opt_state = optimizer_step(tx, grads, initial_state(tx, params), params)
     want = (loss, new_params, device_updates, opt_state)
-    want = (*replicated((want[0], want[1])), want[2], replicated(want[3]))
+    want = (*per_device_copies((want[0], want[1])), want[2], per_device_copies(want[3]))
     plain = jax.pmap(step, axis_name="data")(*args)
     _assert_step_close(got, want, plain, "pmap, ResNet, adam")
 

@@ -52,7 +52,7 @@ import pytest
 from hypothesis import event, example, given, strategies as st
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from few_compiles import initial_state, optimizer_step
+from few_compiles import initial_state, optimizer_step, per_device_copies
 import xla_passes.jax
 from wus_properties import examples
 
@@ -199,10 +199,6 @@ def _pmap_step(case: Case):
     return step
 
 
-def _per_device(tree):
-    return jax.tree.map(lambda a: np.stack([np.asarray(a)] * 8), tree)
-
-
 def _at_the_flag(step, args, passes: str, style: str):
     """The step compiled with the pass at the hook, and what the plugin logged about it."""
     lines: list[str] = []
@@ -231,7 +227,7 @@ def _expected(case: Case, params, stats, opt_state, images, labels):
         return loss, grads, device_grads, device_stats
     new_params, new_opt_state = optimizer_step(_optimizer(case), grads, opt_state, params)
     if case.style == "pmap":
-        return (*_per_device((loss, new_params)), device_stats, _per_device(new_opt_state))
+        return (*per_device_copies((loss, new_params)), device_stats, per_device_copies(new_opt_state))
     return loss, new_params, jax.tree.map(lambda a: np.asarray(a).mean(axis=0), device_stats), new_opt_state
 
 
@@ -282,7 +278,7 @@ def _check_at_the_flag(case: Case) -> None:
         args = (params, stats, *batch)
     elif case.style == "pmap":
         step = _pmap_step(case)
-        args = (*_per_device((params, stats, opt_state)),
+        args = (*per_device_copies((params, stats, opt_state)),
                 *(np.reshape(a, (8, case.batch_per_device, *np.shape(a)[1:])) for a in (images, labels)))
     else:
         step = _jit_step(case)
